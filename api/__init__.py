@@ -1,0 +1,1 @@
+"""HTTP API (Litestar): multipart uploads and OpenAI-compatible routes."""

@@ -1,0 +1,1 @@
+"""Attention backends: Triton paged attention (GPU) and a torch path (CPU, reference)."""

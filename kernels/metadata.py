@@ -1,0 +1,36 @@
+"""What an attention backend needs to know about one varlen batch.
+
+The batch is flat: the new tokens of every scheduled sequence, one after the other. Sequence `i`
+owns query rows `query_start_loc[i]:query_start_loc[i + 1]`; those tokens sit at the end of its
+`seq_lens[i]` tokens, so the first `seq_lens[i] - query_len` tokens are cached context that the
+queries attend to in full, and the new tokens attend to each other causally. A decode is simply a
+sequence with one new token.
+
+KV layout (shared by every backend): per layer one K tensor and one V tensor of shape
+`[num_blocks, block_size, num_kv_heads, head_dim]`. Token `t` of sequence `i` lives in block
+`block_tables[i, t // block_size]` at offset `t % block_size`; its flat slot is
+`block * block_size + offset`. Image-pool and text-pool blocks are indices into the same tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [batch + 1], cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [batch], context + new tokens
+    block_tables: torch.Tensor  # int32 [batch, max_blocks_per_seq], padded with 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens], flat slot each new token's K/V goes to
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so a backend that loops over sequences never syncs with the device.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,7 @@
+"""mm-engine: a multimodal (vision-language) LLM serving engine."""
+
+from mm_engine.llm import LLM
+from mm_engine.outputs import CompletionOutput, RequestOutput
+from mm_engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,69 @@
+"""Engine arguments: one dataclass, validated once, shared by `LLM`, the server and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"  # "auto": CUDA when available, else CPU
+    dtype: str = "auto"  # LM dtype; "auto": float16 on CUDA, float32 on CPU (CPU half matmul is ~100x slower)
+    vision_dtype: str = "auto"  # vision tower dtype; "auto": float16 on CUDA, float32 on CPU
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: gpu_memory_utilization on CUDA, 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    image_pool_fraction: float = 0.5
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "auto"
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 <= self.image_pool_fraction < 1.0:
+            raise ValueError(f"image_pool_fraction must be in [0, 1), got {self.image_pool_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        for name in ("dtype", "vision_dtype"):
+            if getattr(self, name) not in ("auto", *_DTYPES):
+                raise ValueError(
+                    f"{name} must be 'auto' or one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
+                )
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but CUDA is not available")
+        return dev
+
+    def torch_dtype(self, which: str = "dtype") -> torch.dtype:
+        name = getattr(self, which)
+        if name == "auto":
+            return torch.float16 if self.torch_device().type == "cuda" else torch.float32
+        return _DTYPES[name]

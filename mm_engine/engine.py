@@ -1,0 +1,238 @@
+"""The engine: requests in, one scheduled forward pass per `step()`, outputs out.
+
+    step():  schedule -> encode images + forward (runner) -> sample -> append, detokenize, finish
+
+Everything that decides *what* runs lives in the scheduler and the pools; everything that decides
+*how* it runs lives in the runner. The engine only moves requests between them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from mm_engine.detokenizer import IncrementalDetokenizer
+from mm_engine.inputs import InputProcessor, find_chat_template
+from mm_engine.kernels.backend import get_backend
+from mm_engine.model_loader import load_config, load_model, resolve_model_path
+from mm_engine.model_runner import ModelRunner
+from mm_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
+from mm_engine.pools.block_pool import BlockPool
+from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, split_blocks
+from mm_engine.request import ImageSpan, Request
+from mm_engine.sampler import Sampler
+from mm_engine.sampling_params import SamplingParams
+from mm_engine.sched.policy import make_policy
+from mm_engine.sched.scheduler import Scheduler
+from mm_engine.vision.preprocess import ImagePreprocessor, load_image_processor_config
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        path = resolve_model_path(config.model)
+        self.hf_config = load_config(path)
+        torch.manual_seed(config.seed)
+        self.model = load_model(
+            path, self.hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), self.device
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            ImagePreprocessor.from_config(load_image_processor_config(path)),
+            self.hf_config.image_token_index,
+            self.model.tokens_per_image,
+            find_chat_template(path, self.tokenizer),
+        )
+        self.eos_token_ids = self._eos_ids(path)
+        text_cfg = self.hf_config.text_config
+        self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
+        lm = self.model.language_model
+        spec = KVCacheSpec(
+            len(lm.layers), text_cfg.num_key_value_heads, lm.head_dim, config.block_size, config.torch_dtype()
+        )
+        num_blocks = self._kv_bytes() // spec.bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
+        n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
+        self.kv = KVCache(spec, num_blocks, self.device)
+        self.blocks = BlockManager(
+            BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image), config.block_size
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            make_policy(config.scheduling_policy),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv, get_backend(config.attention_backend, self.device), self.device
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._seq = itertools.count()
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        text, ids, spans = self.inputs.process(prompt)
+        return self._add(text, ids, spans, params, request_id, priority)
+
+    def add_chat_request(
+        self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        text, ids, spans = self.inputs.chat(messages)
+        return self._add(text, ids, spans, params, request_id, priority)
+
+    def _add(
+        self, text: str | None, ids: list[int], spans: list[ImageSpan], params: SamplingParams,
+        request_id: str | None, priority: int,
+    ) -> str:  # fmt: skip
+        self.check_fits(ids, spans, params)
+        seq = next(self._seq)
+        request_id = str(seq) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            images=spans,
+            params=params,
+            arrival_time=time.time(),
+            seq_no=seq,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            prompt=text,
+            priority=priority,
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+        )
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def check_fits(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
+        """Refuse a request that could never run, before it takes anything."""
+        params.validate()
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
+            )
+        probe = Request("probe", ids, spans, params, 0.0, -1, frozenset())
+        need = self.blocks.blocks_needed(probe, min(len(ids) + params.max_tokens, self.max_model_len))
+        for pool, n in need.items():
+            if n > self.blocks.pools[pool].num_blocks:
+                raise ValueError(
+                    f"the request needs {n} {pool}-pool blocks but the pool has only "
+                    f"{self.blocks.pools[pool].num_blocks}; raise kv_cache_memory_bytes or shorten it"
+                )
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._finish(req, "abort")
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; return an output for each request that advanced."""
+        batch = self.scheduler.schedule(time.time())
+        if not batch.items:
+            return []
+        logits, sampling = self.runner.execute(batch.items)
+        for req, n in batch.items:
+            req.num_computed_tokens += n
+        if not sampling:  # only mid-prompt chunks this step
+            return []
+        new_tokens = self.sampler.sample(
+            logits,
+            [batch.items[k][0].params for k in sampling],
+            [batch.items[k][0].generator for k in sampling],
+        )
+        now = time.time()
+        outputs = []
+        for k, token in zip(sampling, new_tokens, strict=True):
+            req = batch.items[k][0]
+            delta = self._append(req, token, now)
+            outputs.append(self._output(req, delta))
+            if req.is_finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _append(self, req: Request, token: int, now: float) -> str:
+        req.token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if token in req.eos_token_ids or token in req.params.stop_token_ids:
+            return self._finish(req, "stop", token if token in req.params.stop_token_ids else None)
+        delta = req.detokenizer.step([token])
+        if req.detokenizer.stopped:
+            return delta + self._finish(req, "stop", req.detokenizer.stop_reason)
+        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return delta + self._finish(req, "length")
+        return delta
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> str:
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finished_time = time.time()
+        self.scheduler.finish(req)
+        return req.detokenizer.flush() if reason != "abort" else ""
+
+    def _output(self, req: Request, delta: str) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=req.detokenizer.text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(
+            req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.is_finished,
+            metrics=metrics,
+            delta_text=delta,
+        )
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def kv_report(self) -> dict[str, dict[str, int]]:
+        return self.blocks.report(self.scheduler.running + self.scheduler.waiting)
+
+    def _kv_bytes(self) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        # What the fraction allows minus what is already taken (weights, other processes), with a
+        # margin for activations of one step.
+        return max(0, int(total * self.config.gpu_memory_utilization) - (total - free) - 512 * 1024**2)
+
+    def _eos_ids(self, path) -> frozenset[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        except OSError:  # no generation_config.json
+            pass
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)

@@ -1,0 +1,147 @@
+"""From what a user passes (a prompt with `<image>` placeholders and images, or chat messages) to
+token ids with each placeholder expanded to the image's tokens, plus the preprocessed images."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import PIL.Image
+
+from mm_engine.request import ImageSpan
+from mm_engine.vision.image_io import ImageLimits, decode_data_url, image_content_hash, load_image
+from mm_engine.vision.preprocess import ImagePreprocessor
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        preprocessor: ImagePreprocessor,
+        image_token_id: int,
+        tokens_per_image: int,
+        chat_template: str | None,
+        limits: ImageLimits | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.preprocessor = preprocessor
+        self.image_token_id = image_token_id
+        self.tokens_per_image = tokens_per_image
+        self.chat_template = chat_template
+        self.limits = limits or ImageLimits()
+        self.image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+
+    def process(self, prompt: Any) -> tuple[str | None, list[int], list[ImageSpan]]:
+        """A string, or a dict with `prompt` (or `prompt_token_ids`) and `multi_modal_data.image`."""
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, Mapping):
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+        mm = prompt.get("multi_modal_data") or {}
+        if set(mm) - {"image"}:
+            raise ValueError(f"only image inputs are supported, got {', '.join(sorted(set(mm) - {'image'}))}")
+        images = mm.get("image", [])
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(text, str):
+            ids = self.tokenizer(text)["input_ids"]
+        else:
+            raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, *self.expand(ids, images)
+
+    def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageSpan]]:
+        """Replace each image placeholder with `tokens_per_image` image tokens and preprocess images."""
+        n_placeholders = ids.count(self.image_token_id)
+        if n_placeholders != len(images):
+            raise ValueError(
+                f"the prompt has {n_placeholders} image placeholder(s) ({self.image_token}) "
+                f"but {len(images)} image(s) were given"
+            )
+        pils = [self._load(img, i) for i, img in enumerate(images)]
+        out: list[int] = []
+        spans: list[ImageSpan] = []
+        salt = self.preprocessor.settings_key()
+        for tok in ids:
+            if tok != self.image_token_id:
+                out.append(tok)
+                continue
+            img = pils[len(spans)]
+            spans.append(
+                ImageSpan(
+                    offset=len(out),
+                    length=self.tokens_per_image,
+                    pixel_values=self.preprocessor(img),
+                    content_hash=image_content_hash(img, salt),
+                )
+            )
+            out.extend([self.image_token_id] * self.tokens_per_image)
+        return out, spans
+
+    def _load(self, image: Any, index: int) -> PIL.Image.Image:
+        if isinstance(image, str):
+            if not image.startswith("data:"):
+                raise ValueError(f"image {index}: a string image must be a data: URL")
+            image = decode_data_url(image)
+        try:
+            return load_image(image, self.limits)
+        except ValueError as exc:
+            raise type(exc)(f"image {index}: {exc}") from None
+
+    def chat(self, messages: list[dict]) -> tuple[str, list[int], list[ImageSpan]]:
+        """OpenAI-style messages -> the chat template's prompt, its ids and the images in order."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        converted, images = [], []
+        for m in messages:
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+            content = m["content"]
+            if isinstance(content, str):
+                converted.append({"role": m["role"], "content": content})
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image_url":
+                    url = part["image_url"]
+                    url = url["url"] if isinstance(url, Mapping) else url
+                    if not isinstance(url, str) or not url.startswith("data:"):
+                        raise ValueError("image_url must be a data: URL here (remote images are not fetched)")
+                    images.append(decode_data_url(url))
+                    parts.append({"type": "image"})
+                else:
+                    raise ValueError(f"unsupported content part type {kind!r}; use 'text' or 'image_url'")
+            converted.append({"role": m["role"], "content": parts})
+        text = self.tokenizer.apply_chat_template(
+            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
+        # The template writes its own special tokens; adding them again would double the BOS.
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, *self.expand(ids, images)
+
+
+def find_chat_template(model_dir: Path, tokenizer) -> str | None:
+    """The processor's chat template (LLaVA keeps it beside the processor), else the tokenizer's."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    for name in ("chat_template.json", "processor_config.json"):
+        f = model_dir / name
+        if f.is_file():
+            template = json.loads(f.read_text()).get("chat_template")
+            if template:
+                return template
+    return getattr(tokenizer, "chat_template", None)

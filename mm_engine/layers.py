@@ -1,0 +1,140 @@
+"""The decoder-only language model (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Parameter names follow the Hugging Face checkpoints (`layers.N.self_attn.q_proj` and so on), so
+loading is a rename of prefixes and nothing more. Whether a projection has a bias is read from the
+checkpoint itself (Qwen2 has q/k/v biases, Llama may have `attention_bias`), not guessed per family.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from mm_engine.kernels.backend import AttentionBackend
+from mm_engine.kernels.metadata import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, `rotate_half` layout, any rope type transformers knows."""
+
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        rope_type = params.get("rope_type", "default")
+        if rope_type in ("dynamic", "longrope"):
+            raise ValueError(f"rope type {rope_type!r} depends on sequence length and is not supported")
+        if rope_type == "default":
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scaling)[:, None, :].to(q.dtype)
+        sin = (emb.sin() * self.scaling)[:, None, :].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, head_dim: int, bias: dict[str, bool]) -> None:
+        super().__init__()
+        h, self.num_heads, self.num_kv_heads = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * head_dim, bias=bias["q_proj"])
+        self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["k_proj"])
+        self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["v_proj"])
+        self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias["o_proj"])
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend
+    ):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, k, positions)
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, bias: dict[str, bool]) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, head_dim, bias)
+        self.mlp = MLP(config, bias["mlp"])
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """Token embeddings, decoder layers, final norm and LM head. `forward` takes embeddings so that
+    image features can be spliced in before the first layer."""
+
+    def __init__(self, config, bias: dict[str, bool], tie_embeddings: bool) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, head_dim, bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config, head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied_lm_head = tie_embeddings
+        if tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend):
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_k[i], kv_v[i], meta, backend)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,80 @@
+"""The offline Python API, shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from mm_engine.config import EngineConfig
+from mm_engine.engine import LLMEngine
+from mm_engine.outputs import RequestOutput
+from mm_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        adds = [functools.partial(self.engine.add_request, prompt) for prompt in prompts]
+        return self._run(adds, sampling_params, priority)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations, through the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        adds = [functools.partial(self.engine.add_chat_request, conv) for conv in convs]
+        return self._run(adds, sampling_params, priority)
+
+    def kv_report(self) -> dict[str, dict[str, int]]:
+        """Per pool (`"text"`, `"image"`): total, used and free blocks, allocated and filled slots."""
+        return self.engine.kv_report()
+
+    def _run(self, adds: list, sampling_params, priority) -> list[RequestOutput]:
+        n = len(adds)
+        params = self._per_request(sampling_params or SamplingParams(), n, "sampling_params")
+        prios = self._per_request(priority if priority is not None else 0, n, "priority")
+        ids: list[str] = []
+        try:
+            for add, sp, pr in zip(adds, params, prios, strict=True):
+                ids.append(add(sp, priority=pr))
+        except BaseException:
+            for rid in ids:  # a bad prompt in the list: nothing of this call stays queued
+                self.engine.abort(rid)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        try:
+            while len(finals) < n:
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [finals[rid] for rid in ids]
+
+    @staticmethod
+    def _per_request(value: Any, n: int, name: str) -> list:
+        if isinstance(value, SamplingParams | int):
+            return [value] * n
+        value = list(value)
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value

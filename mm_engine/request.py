@@ -1,0 +1,76 @@
+"""The state of one request as it moves through the engine. Plain data; the engine mutates it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from mm_engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class ImageSpan:
+    """One image of a prompt: where its tokens sit and what to encode."""
+
+    offset: int  # position of its first token in the prompt
+    length: int  # number of image tokens
+    pixel_values: torch.Tensor  # [3, H, W], float32, preprocessed
+    content_hash: str
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    images: list[ImageSpan]
+    params: SamplingParams
+    arrival_time: float
+    seq_no: int  # arrival order, the tie-breaker of every policy
+    eos_token_ids: frozenset[int]
+    prompt: str | None = None
+    priority: int = 0
+    token_ids: list[int] = field(default_factory=list)  # prompt then output
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> features
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    detokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def has_images(self) -> bool:
+        return bool(self.images)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

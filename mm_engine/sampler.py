@@ -1,0 +1,77 @@
+"""Turn a batch of next-token logits into token ids: greedy, temperature, top-k, top-p.
+
+Everything is vectorised over rows with per-row settings. Random rows are drawn with the
+exponential-race trick: argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i].
+Each row's noise comes from that row's own generator (or the global RNG when it has none), so a
+seeded request gets the same tokens whatever else shares its batch and wherever it sits in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mm_engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+            raise ValueError("sample() needs logits [batch, vocab] and one params and generator per row")
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            return greedy_ids.tolist()
+
+        device = logits.device
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        probs = self._filtered_probs(logits / temps.unsqueeze(1), params)
+        noise = self._exponential_noise(probs.shape, generators, device)
+        sampled_ids = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor(greedy, device=device)
+        return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Softmax after masking what top-k and top-p cut (both off: a plain softmax)."""
+        batch, vocab = logits.shape
+        # Off is encoded so that it never masks: k = vocab, p > 1 (a cumulative sum that rounds
+        # to 1.0 before the end must not cut the tail of a row that asked for no top-p).
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        ps = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        if all(k == vocab for k in ks) and all(p > 1.0 for p in ps):
+            return torch.softmax(logits, dim=-1)
+
+        device = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=device).expand(batch, vocab)
+        cut = rank >= torch.tensor(ks, device=device).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass strictly before it is below top_p: the smallest set that
+        # reaches top_p, and always the top token (mass before it is 0).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        cut |= mass_before >= torch.tensor(ps, device=device).unsqueeze(1)
+        removed = torch.zeros_like(cut).scatter_(1, order, cut)
+        return torch.softmax(logits.masked_fill(removed, float("-inf")), dim=-1)
+
+    @staticmethod
+    def _exponential_noise(
+        shape: torch.Size, generators: list[torch.Generator | None], device: torch.device
+    ) -> torch.Tensor:
+        noise = torch.empty(shape, device=device)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), shape[1]), device=device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                # Draw on the generator's own device so its stream does not depend on where logits live.
+                row = torch.empty(shape[1], device=g.device).exponential_(generator=g)
+                noise[i] = row.to(device)
+        # Exp(1) can round to 0; 0/0 would be NaN, which argmax would pick over everything.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

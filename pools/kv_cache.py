@@ -1,0 +1,46 @@
+"""The KV cache tensors: one K and one V tensor per layer, shared by both pools.
+
+Blocks `[0, num_text_blocks)` form the text pool and the rest the image pool. Attention reads any
+block through the block table, so the split is purely an allocation policy, invisible to kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def split_blocks(total_blocks: int, image_pool_fraction: float) -> tuple[int, int]:
+    """Return (text_blocks, image_blocks); each pool gets at least one block when fraction allows."""
+    if not 0.0 <= image_pool_fraction < 1.0:
+        raise ValueError(f"image_pool_fraction must be in [0, 1), got {image_pool_fraction}")
+    image = int(total_blocks * image_pool_fraction)
+    if image_pool_fraction > 0 and image == 0 and total_blocks > 1:
+        image = 1
+    return total_blocks - image, image
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # torch.empty: on CPU untouched pages cost no resident memory; stale values are never read
+        # because attention only looks at slots below each sequence's length.
+        self.k = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

@@ -1,0 +1,1 @@
+"""Scheduling: queues, policies, token budget, chunked prefill and preemption."""

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random LLaVA checkpoints built once per session, and the transformers
+reference that every engine output is compared with."""
+
+from __future__ import annotations
+
+import os
+
+# The Triton interpreter must be chosen before triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from tiny_checkpoint import build_checkpoint  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def clip_llama(tmp_path_factory) -> str:
+    return str(build_checkpoint(tmp_path_factory.mktemp("clip_llama"), vision="clip", text="llama"))
+
+
+@pytest.fixture(scope="session")
+def siglip_qwen2(tmp_path_factory) -> str:
+    return str(build_checkpoint(tmp_path_factory.mktemp("siglip_qwen2"), vision="siglip", text="qwen2"))
+
+
+def make_image(seed: int, size: tuple[int, int] = (40, 30)) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy(), "RGB")
+
+
+class Reference:
+    """`LlavaForConditionalGeneration.generate`, greedy, one request at a time."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(self, prompt: str, images: list | None, max_new_tokens: int) -> list[int]:
+        inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="session")
+def ref_clip_llama(clip_llama) -> Reference:
+    return Reference(clip_llama)
+
+
+@pytest.fixture(scope="session")
+def ref_siglip_qwen2(siglip_qwen2) -> Reference:
+    return Reference(siglip_qwen2)

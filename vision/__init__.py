@@ -1,0 +1,1 @@
+"""Image intake and preprocessing, vision towers, projector and encoder cache."""

@@ -1,0 +1,162 @@
+"""Hardened image intake: decode untrusted bytes into a PIL image under explicit limits.
+
+Every failure is an `ImageError` whose message names the problem and nothing of the server
+(no paths, memory addresses or tracebacks), so the API can return it to the client as is.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageFile
+
+
+class ImageError(ValueError):
+    """An image is missing, malformed, too large, too small or of a format that is not allowed."""
+
+
+@dataclass(slots=True)
+class ImageLimits:
+    max_pixels: int = 4096 * 4096
+    min_side: int = 2
+    max_bytes: int = 20 * 1024 * 1024
+    allowed_formats: frozenset[str] = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP"})
+
+
+_DEFAULT_LIMITS = ImageLimits()
+
+
+def load_image(
+    obj: Image.Image | bytes | bytearray | memoryview | Path,
+    limits: ImageLimits | None = None,
+    *,
+    name: str = "image",
+) -> Image.Image:
+    """Check and fully decode an image; `name` ("image 2") labels it in error messages.
+
+    Encoded bytes are identified with the allowed formats' decoders only, and their header's
+    size is checked before any pixel is decoded. The mode is left as decoded.
+    """
+    limits = limits or _DEFAULT_LIMITS
+    if isinstance(obj, Image.Image):
+        _check_size(obj, limits, name)
+        _decode(obj, name)
+        return obj
+    if isinstance(obj, Path):
+        obj = _read_file(obj, limits, name)
+    if not isinstance(obj, (bytes, bytearray, memoryview)):
+        raise ImageError(f"expected a PIL image, encoded image bytes or a path, got {type(obj).__name__}")
+
+    nbytes = obj.nbytes if isinstance(obj, memoryview) else len(obj)
+    if nbytes > limits.max_bytes:
+        raise ImageError(f"{name} is {nbytes} bytes, over the limit of {limits.max_bytes}")
+    try:
+        image = _open_lazily(bytes(obj), limits.allowed_formats)
+    except Exception as e:
+        raise ImageError(f"{name} is not a decodable image") from e
+    if image is None:
+        allowed = ", ".join(sorted(limits.allowed_formats))
+        raise ImageError(f"{name} is not a decodable image in an allowed format ({allowed})")
+    _check_size(image, limits, name)
+    _decode(image, name)
+    return image
+
+
+def _read_file(path: Path, limits: ImageLimits, name: str) -> bytes:
+    try:
+        nbytes = path.stat().st_size
+        if nbytes <= limits.max_bytes:
+            return path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"{name} could not be read") from e
+    raise ImageError(f"{name} is {nbytes} bytes, over the limit of {limits.max_bytes}")
+
+
+def _open_lazily(data: bytes, formats: frozenset[str]) -> ImageFile.ImageFile | None:
+    """Identify `data` with the allowed formats' plugins only, reading the header but no pixels.
+
+    This is `Image.open(fp, formats=...)` without Pillow's own decompression-bomb check, which
+    warns (through the process-wide warnings machinery) or raises before we can apply our
+    stricter limit with a message that names the size.
+    """
+    prefix = data[:16]
+    for fmt in sorted(formats):
+        if fmt not in Image.OPEN:
+            Image.init()
+        if fmt not in Image.OPEN:
+            continue
+        factory, accept = Image.OPEN[fmt]
+        accepted = accept(prefix) if accept else True
+        if not accepted or isinstance(accepted, str):  # a str is Pillow's "recognised, unsupported"
+            continue
+        try:
+            return factory(io.BytesIO(data), "")
+        except (SyntaxError, IndexError, TypeError, struct.error):  # Image.open's "not this format"
+            continue
+    return None
+
+
+def _check_size(image: Image.Image, limits: ImageLimits, name: str) -> None:
+    w, h = image.size
+    if w * h > limits.max_pixels:
+        raise ImageError(f"{name} is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}")
+    if min(w, h) < limits.min_side:
+        raise ImageError(f"{name} is {w}x{h}, below the minimum side of {limits.min_side} pixels")
+
+
+def _decode(image: Image.Image, name: str) -> None:
+    # Decoders of untrusted data fail in many ways (OSError for truncation, SyntaxError,
+    # ValueError, struct.error, DecompressionBombError for a GIF frame that grows the canvas,
+    # ...); none of their messages may reach the client.
+    try:
+        image.load()
+    except Exception as e:
+        fmt = f" {image.format}" if image.format else ""
+        raise ImageError(f"{name} is not a decodable image (truncated or corrupt{fmt} data)") from e
+
+
+def decode_data_url(url: str) -> bytes:
+    """Return the payload of a `data:image/<fmt>;base64,<payload>` URL."""
+    if not isinstance(url, str) or url[:5].lower() != "data:":
+        raise ImageError("expected a data URL (data:image/<format>;base64,...)")
+    header, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise ImageError("data URL has no ',' before its payload")
+    media_type, *params = (p.strip().lower() for p in header.split(";"))
+    if not media_type.startswith("image/"):
+        raise ImageError(f"data URL media type must be image/*, got {media_type[:50] or 'none'!r}")
+    if "base64" not in params:
+        raise ImageError("data URL must be base64-encoded")
+    payload = "".join(payload.split())  # line-wrapped base64 is common
+    payload += "=" * (-len(payload) % 4)  # so is missing padding
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError("data URL payload is not valid base64") from e
+
+
+def image_content_hash(image: Image.Image, salt: bytes = b"") -> str:
+    """sha256 hex of what decides the model's input: mode, size, pixels, palette, transparency."""
+    # A palette image's colours and any transparency key change the RGB the model sees.
+    palette = b""
+    if image.palette is not None:
+        palette = image.palette.mode.encode() + bytes(image.getpalette(image.palette.mode) or ())
+    parts = (
+        image.mode.encode(),
+        f"{image.width}x{image.height}".encode(),
+        salt,
+        palette,
+        repr(image.info.get("transparency")).encode(),
+    )
+    h = hashlib.sha256()
+    for part in parts:  # length-prefixed so that no two different tuples hash alike
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    h.update(image.tobytes())
+    return h.hexdigest()
