@@ -175,7 +175,7 @@ class LLMEngine:
             return self._finish(req, "stop", token if token in req.params.stop_token_ids else None)
         delta = req.detokenizer.step([token])
         if req.detokenizer.stopped:
-            return delta + self._finish(req, "stop", req.detokenizer.stop_reason)
+            return delta + self._finish(req, "stop", req.detokenizer.stop_str)
         if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return delta + self._finish(req, "length")
         return delta

@@ -37,6 +37,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.num_preemptions = 0  # in all, for reports and tests
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -90,6 +91,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.image_embeds.clear()
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.append(req)
 

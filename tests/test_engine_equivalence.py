@@ -60,7 +60,9 @@ def _mixed_batch(n: int, seed: int = 0):
         n_images = rng.choice([0, 1, 1, 2])
         q = " ".join(rng.choice(QUESTIONS) for _ in range(rng.randint(1, 4)))
         prompt = f"{USER}{'<image> ' * n_images}{q} ASSISTANT:"
-        images = [make_image(100 + i * 3 + k, (rng.randint(12, 90), rng.randint(12, 90))) for k in range(n_images)]
+        images = [
+            make_image(100 + i * 3 + k, (rng.randint(12, 90), rng.randint(12, 90))) for k in range(n_images)
+        ]
         requests.append((prompt, images, rng.randint(1, 24)))
     return requests
 
@@ -80,12 +82,14 @@ def test_mixed_batch_equals_each_run_alone(setup, engine_args):
     expected = [ref.generate(p, imgs, n) for p, imgs, n in batch]
     llm = LLM(path, kv_cache_memory_bytes=8 * 1024**2, **engine_args)
     outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch], [greedy(n) for _, _, n in batch])
-    for out, want, (prompt, _, n) in zip(outs, expected, batch, strict=True):
+    for out, want, (prompt, _, _) in zip(outs, expected, batch, strict=True):
         assert out.outputs[0].token_ids == want, prompt
         assert len(out.prompt_token_ids) > 0
     report = llm.kv_report()
     for pool in ("text", "image"):
-        assert report[pool]["used_blocks"] == 0 and report[pool]["free_blocks"] == report[pool]["total_blocks"]
+        assert (
+            report[pool]["used_blocks"] == 0 and report[pool]["free_blocks"] == report[pool]["total_blocks"]
+        )
 
 
 def test_chat_applies_template_and_matches_reference(setup):
@@ -100,7 +104,10 @@ def test_chat_applies_template_and_matches_reference(setup):
     messages = [
         {
             "role": "user",
-            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this"}],
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what is this"},
+            ],
         }
     ]
     llm = LLM(path, kv_cache_memory_bytes=8 * 1024**2)

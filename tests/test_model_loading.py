@@ -1,0 +1,93 @@
+"""Checkpoint loading: both key layouts, feature-layer options, unsupported architectures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import Reference, make_image
+from safetensors.torch import load_file, save_file
+from tiny_checkpoint import build_checkpoint
+
+from mm_engine import LLM, SamplingParams
+
+PROMPT = "USER: <image> what is this ASSISTANT:"
+
+
+def _greedy(path, n: int = 10) -> list[int]:
+    llm = LLM(str(path), kv_cache_memory_bytes=4 * 1024**2)
+    return (
+        llm.generate(
+            {"prompt": PROMPT, "multi_modal_data": {"image": make_image(5)}},
+            SamplingParams(temperature=0, max_tokens=n),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+
+
+def _rewrite_keys(src, dst, rename) -> None:
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    save_file({rename(k): v.contiguous() for k, v in state.items()}, dst / "model.safetensors")
+
+
+def test_both_key_layouts_give_the_same_tokens(clip_llama, tmp_path):
+    from pathlib import Path
+
+    src = Path(clip_llama)
+    expected = _greedy(src)
+
+    def new_layout(k: str) -> str:  # what transformers >= 4.52 writes
+        if k.startswith("language_model.model."):
+            return "model.language_model." + k.removeprefix("language_model.model.")
+        if k.startswith("language_model.lm_head."):
+            return k.removeprefix("language_model.")
+        return "model." + k
+
+    def legacy_vision(k: str) -> str:  # original LLaVA: vision_tower.vision_model.*
+        return (
+            k.replace("vision_tower.", "vision_tower.vision_model.", 1)
+            if k.startswith("vision_tower.")
+            else k
+        )
+
+    _rewrite_keys(src, tmp_path / "new", new_layout)
+    _rewrite_keys(src, tmp_path / "legacy", legacy_vision)
+    assert _greedy(tmp_path / "new") == expected
+    assert _greedy(tmp_path / "legacy") == expected
+
+
+@pytest.mark.parametrize(("strategy", "layers"), [("full", -1), ("default", [-3, -1])])
+def test_feature_layer_and_select_strategy(tmp_path, strategy, layers):
+    path = build_checkpoint(
+        tmp_path / "ck", vision="clip", text="llama", select_strategy=strategy, feature_layer=layers, seed=3
+    )
+    ref = Reference(str(path))
+    assert _greedy(path) == ref.generate(PROMPT, [make_image(5)], 10)
+
+
+def test_unsupported_architecture_names_the_supported_ones(clip_llama, tmp_path):
+    dst = tmp_path / "other"
+    shutil.copytree(clip_llama, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "gpt2"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="supported"):
+        LLM(str(dst))
+
+
+def test_missing_folder_goes_to_the_hub(monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def offline(repo_id, **kwargs):
+        calls.append(repo_id)
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="could not be downloaded"):
+        LLM("some-org/some-llava")
+    assert calls == ["some-org/some-llava"]
