@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+
+
+def default_model_path() -> Path:
+    """The small demo model shipped inside the package, used wherever a model is optional."""
+    path = Path(__file__).parent / "demo_model"
+    if not (path / "config.json").is_file():
+        raise ValueError("no model given and the embedded demo model is not installed; pass a model")
+    return path
 
 
 @dataclass(slots=True)
@@ -47,12 +56,12 @@ class EngineConfig:
                 )
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+    def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        return cls(model=model, **kwargs)
+        return cls(model=str(default_model_path()) if model is None else model, **kwargs)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

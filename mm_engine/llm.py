@@ -13,7 +13,8 @@ from mm_engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: a checkpoint folder or a Hub name; None means the embedded demo model."""
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
 
     @property

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.<name>`, each printing figures measured side by side in one run."""
