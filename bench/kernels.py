@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.triton_backend import TritonBackend
 

@@ -11,6 +11,7 @@ import os
 from typing import Protocol
 
 import torch
+
 from mm_engine.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "triton", "torch")

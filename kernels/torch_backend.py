@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from mm_engine.kernels.metadata import AttentionMetadata
 
 

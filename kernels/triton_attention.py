@@ -19,6 +19,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from mm_engine.kernels.metadata import AttentionMetadata
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import triton
+
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.triton_attention import paged_attention
 from mm_engine.kernels.triton_kv_write import write_kv

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mm_engine.pools.block_manager import BlockManager
-from mm_engine.sched.policy import Policy
-
 from mm_engine.request import Request, Status
+from mm_engine.sched.policy import Policy
 
 
 @dataclass(slots=True)

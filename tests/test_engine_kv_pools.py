@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_image
-from mm_engine.pools.block_manager import IMAGE, TEXT
 
 from mm_engine import LLM, SamplingParams
+from mm_engine.pools.block_manager import IMAGE, TEXT
 
 
 def _image_prompt(n_images: int, words: str = "what is this") -> dict:

@@ -10,6 +10,8 @@ import zlib
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from mm_engine.vision.image_io import (
     ImageError,
     ImageLimits,
@@ -17,7 +19,6 @@ from mm_engine.vision.image_io import (
     image_content_hash,
     load_image,
 )
-from PIL import Image
 
 
 def _noise_image(width: int = 40, height: int = 30, seed: int = 0) -> Image.Image:

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
 from mm_engine.kernels.backend import get_backend  # noqa: E402
 from mm_engine.kernels.metadata import AttentionMetadata  # noqa: E402
 from mm_engine.kernels.triton_attention import paged_attention  # noqa: E402
