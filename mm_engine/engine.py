@@ -85,18 +85,19 @@ class LLMEngine:
         self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> str:
         text, ids, spans = self.inputs.process(prompt)
-        return self._add(text, ids, spans, params, request_id, priority)
+        return self.add_processed(text, ids, spans, params, request_id, priority)
 
     def add_chat_request(
         self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> str:
         text, ids, spans = self.inputs.chat(messages)
-        return self._add(text, ids, spans, params, request_id, priority)
+        return self.add_processed(text, ids, spans, params, request_id, priority)
 
-    def _add(
+    def add_processed(
         self, text: str | None, ids: list[int], spans: list[ImageSpan], params: SamplingParams,
-        request_id: str | None, priority: int,
+        request_id: str | None = None, priority: int = 0,
     ) -> str:  # fmt: skip
+        """Queue a request whose inputs `self.inputs` already processed (possibly on another thread)."""
         self.check_fits(ids, spans, params)
         seq = next(self._seq)
         request_id = str(seq) if request_id is None else str(request_id)
@@ -215,6 +216,20 @@ class LLMEngine:
 
     def kv_report(self) -> dict[str, dict[str, int]]:
         return self.blocks.report(self.scheduler.running + self.scheduler.waiting)
+
+    def stats(self) -> dict:
+        """Counters and gauges for metrics: plain numbers, cheap to read every scrape."""
+        usage = {
+            name: (pool.num_used / pool.num_blocks if pool.num_blocks else 0.0)
+            for name, pool in self.blocks.pools.items()
+        }
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": usage,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            "num_encoded_images_total": self.runner.num_encoded_images,
+        }
 
     def _kv_bytes(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:
