@@ -34,7 +34,17 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "priority"  # or "fcfs"
+    image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
+    max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less
+    preemption_margin: float = 1.0  # rank a waiting request must beat a running one by to preempt it
+    preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
+    swap_space_bytes: int = 4 * 1024**3
+    enable_prefix_caching: bool = True
+    encoder_cache_bytes: int = 256 * 1024**2
+    max_num_encoder_tokens: int | None = None  # image tokens encoded per step; None: budget or one image
+    kv_watermark: float = 0.01  # fraction of each pool kept free when admitting new requests
+    max_waiting_requests: int = 10_000
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -45,6 +55,13 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not 0.0 <= self.kv_watermark < 0.5:
+            raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
+        for name in ("encoder_cache_bytes", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -25,11 +25,13 @@ from mm_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
 from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, split_blocks
+from mm_engine.pools.swap import HostSwap
 from mm_engine.request import ImageSpan, Request
 from mm_engine.sampler import Sampler
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.policy import make_policy
 from mm_engine.sched.scheduler import Scheduler
+from mm_engine.vision.encoder_cache import EncoderCache
 from mm_engine.vision.preprocess import ImagePreprocessor, load_image_processor_config
 
 
@@ -64,17 +66,32 @@ class LLMEngine:
         n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
         self.kv = KVCache(spec, num_blocks, self.device)
         self.blocks = BlockManager(
-            BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image), config.block_size
+            BlockPool(TEXT, 0, n_text),
+            BlockPool(IMAGE, n_text, n_image),
+            config.block_size,
+            config.enable_prefix_caching,
+            config.kv_watermark,
         )
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
+        # By default one step may encode at least one whole image, whatever the token budget.
+        default_budget = max(config.max_num_batched_tokens, self.model.tokens_per_image)
+        self.encoder_budget = config.max_num_encoder_tokens or default_budget
+        policy = make_policy(
+            config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
+        )
+        self.swap = HostSwap(self.kv, config.swap_space_bytes) if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(
             self.blocks,
-            make_policy(config.scheduling_policy),
+            policy,
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            self.encoder_cache,
+            self.encoder_budget,
+            self.swap,
+            config.max_waiting_requests,
         )
-        self.runner = ModelRunner(
-            self.model, self.kv, get_backend(config.attention_backend, self.device), self.device
-        )
+        backend = get_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
@@ -127,6 +144,19 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
             )
+        if spans:
+            emb = self.model.language_model.embed_tokens
+            feat_bytes = spans[0].length * emb.embedding_dim * emb.weight.element_size()
+            if feat_bytes > self.encoder_cache.capacity_bytes:
+                raise ValueError(
+                    f"one image's encoder output is {feat_bytes} bytes, larger than the encoder cache "
+                    f"({self.encoder_cache.capacity_bytes} bytes); raise encoder_cache_bytes"
+                )
+            if spans[0].length > self.encoder_budget:
+                raise ValueError(
+                    f"an image is {spans[0].length} tokens, more than the per-step encoder budget "
+                    f"({self.encoder_budget}); raise max_num_encoder_tokens"
+                )
         probe = Request("probe", ids, spans, params, 0.0, -1, frozenset())
         need = self.blocks.blocks_needed(probe, min(len(ids) + params.max_tokens, self.max_model_len))
         for pool, n in need.items():
@@ -151,6 +181,7 @@ class LLMEngine:
         logits, sampling = self.runner.execute(batch.items)
         for req, n in batch.items:
             req.num_computed_tokens += n
+            self.blocks.commit(req)
         if not sampling:  # only mid-prompt chunks this step
             return []
         new_tokens = self.sampler.sample(
@@ -206,6 +237,7 @@ class LLMEngine:
             outputs=[completion],
             finished=req.is_finished,
             metrics=metrics,
+            num_cached_tokens=req.num_cached_tokens,
             delta_text=delta,
         )
 
@@ -214,8 +246,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def kv_report(self) -> dict[str, dict[str, int]]:
-        return self.blocks.report(self.scheduler.running + self.scheduler.waiting)
+    def kv_report(self) -> dict[str, dict]:
+        """Per pool: blocks (total, used, free, cached), slots (allocated, filled), internal waste,
+        prefix-cache queries/hits/misses, evictions, preemptions; plus swap and encoder-cache counts."""
+        report = self.blocks.report(self.scheduler.running + self.scheduler.waiting)
+        for name in (TEXT, IMAGE):
+            report[name]["preemptions"] = self.scheduler.preemptions_by_pool[name]
+        report["swap"] = {
+            "swapped_out_blocks": self.swap.swapped_out_blocks if self.swap else 0,
+            "swapped_in_blocks": self.swap.swapped_in_blocks if self.swap else 0,
+            "host_bytes_used": self.swap.used_bytes if self.swap else 0,
+        }
+        report["encoder_cache"] = {
+            "entries": len(self.encoder_cache),
+            "bytes_used": self.encoder_cache.used_bytes,
+            "hits": self.encoder_cache.hits,
+            "misses": self.encoder_cache.misses,
+            "evictions": self.encoder_cache.evictions,
+        }
+        return report
 
     def stats(self) -> dict:
         """Counters and gauges for metrics: plain numbers, cheap to read every scrape."""
@@ -229,6 +278,9 @@ class LLMEngine:
             "kv_cache_usage_perc": usage,
             "num_preemptions_total": self.scheduler.num_preemptions,
             "num_encoded_images_total": self.runner.num_encoded_images,
+            "prefix_cache_queries_total": {n: p.queries for n, p in self.blocks.pools.items()},
+            "prefix_cache_hits_total": {n: p.hits for n, p in self.blocks.pools.items()},
+            "encoder_cache_hits_total": self.encoder_cache.hits,
         }
 
     def _kv_bytes(self) -> int:

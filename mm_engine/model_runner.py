@@ -15,13 +15,20 @@ from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.model import LlavaModel
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.request import Request
+from mm_engine.vision.encoder_cache import EncoderCache
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlavaModel, kv: KVCache, backend: AttentionBackend, device: torch.device
+        self,
+        model: LlavaModel,
+        kv: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        encoder_cache: EncoderCache,
     ) -> None:
         self.model = model
+        self.encoder_cache = encoder_cache
         self.kv = kv
         self.backend = backend
         self.device = device
@@ -91,19 +98,27 @@ class ModelRunner:
         )
 
     def _encode_images(self, items: list[tuple[Request, int]]) -> None:
-        """Encode, in one batch, every image that this step's chunks touch and that has no features yet."""
-        todo: list[tuple[Request, int]] = []
+        """Give every image that this step's chunks touch its features: from the encoder cache, or
+        encoded now in one batch (each distinct image once, however many requests carry it)."""
+        todo: dict[str, list[tuple[Request, int]]] = {}
         for req, n in items:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             for j, span in enumerate(req.images):
                 if span.offset < end and start < span.offset + span.length and j not in req.image_embeds:
-                    todo.append((req, j))
+                    feats = self.encoder_cache.get(span.content_hash)
+                    if feats is not None:
+                        req.image_embeds[j] = feats
+                    else:
+                        todo.setdefault(span.content_hash, []).append((req, j))
         if not todo:
             return
-        pixels = torch.stack([req.images[j].pixel_values for req, j in todo]).to(self.device)
+        firsts = [users[0] for users in todo.values()]
+        pixels = torch.stack([req.images[j].pixel_values for req, j in firsts]).to(self.device)
         feats = self.model.encode_images(pixels)
-        for (req, j), f in zip(todo, feats, strict=True):
-            req.image_embeds[j] = f
+        for (key, users), f in zip(todo.items(), feats, strict=True):
+            self.encoder_cache.put(key, f)
+            for req, j in users:
+                req.image_embeds[j] = f
         self.num_encoded_images += len(todo)
 
     @staticmethod

@@ -40,6 +40,9 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # content hash of each full block
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from cached KV at first admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -1,13 +1,19 @@
-"""Gives each sequence the blocks it needs, from the image pool or the text pool.
+"""Gives each sequence the blocks it needs, from the image pool or the text pool, and reuses cached
+blocks of identical prefixes.
 
 Block `i` of a sequence holds token positions `[i * block_size, (i + 1) * block_size)`. It comes
 from the image pool when every one of those positions is an image token of the prompt, and from the
-text pool otherwise (text, generated tokens, or a mix). The decision depends only on the prompt, so
-it is computed once per request.
+text pool otherwise (text, generated tokens, or a mix).
+
+Every full block gets a content hash: SHA-256 over the parent block's hash, its token ids and, for
+the image tokens in it, the image's content hash and the offset into the image. Two different
+images therefore never share KV although their placeholder tokens are equal, and a cryptographic
+hash means no one can craft a collision to read another request's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from mm_engine.pools.block_pool import BlockPool
@@ -16,10 +22,21 @@ TEXT, IMAGE = "text", "image"
 
 
 class BlockManager:
-    def __init__(self, text_pool: BlockPool, image_pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        text_pool: BlockPool,
+        image_pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
         self.pools = {TEXT: text_pool, IMAGE: image_pool}
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
         self._flags_cache: dict[str, list[bool]] = {}  # request id -> image_block_flags
+
+    # ---- which pool ----------------------------------------------------------------------------
 
     def image_block_flags(self, req: Any) -> list[bool]:
         """For each full block inside the prompt: is it made only of image tokens?"""
@@ -31,58 +48,132 @@ class BlockManager:
             is_image[span.offset : span.offset + span.length] = [True] * span.length
         return [all(is_image[i * bs : (i + 1) * bs]) for i in range(req.num_prompt_tokens // bs)]
 
-    def blocks_needed(self, req: Any, num_tokens: int) -> dict[str, int]:
-        """Blocks of each pool that `num_tokens` tokens of this request occupy in total."""
-        n_blocks = -(-num_tokens // self.block_size)
-        image = sum(self.image_block_flags(req)[:n_blocks])
-        return {TEXT: n_blocks - image, IMAGE: image}
-
-    def allocate(self, req: Any, num_new_tokens: int) -> bool:
-        """Extend the block table to hold `num_new_tokens` more tokens; all or nothing."""
-        have = len(req.block_table)
-        want = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
-        if want <= have:
-            return True
-        flags = self._flags_for(req)
-        kinds = [IMAGE if i < len(flags) and flags[i] else TEXT for i in range(have, want)]
-        need = {TEXT: kinds.count(TEXT), IMAGE: kinds.count(IMAGE)}
-        if any(need[k] > self.pools[k].num_free for k in need):
-            return False
-        fresh = {k: iter(self.pools[k].allocate(n)) for k, n in need.items()}
-        req.block_table.extend(next(fresh[k]) for k in kinds)
-        return True
-
     def _flags_for(self, req: Any) -> list[bool]:
         cached = self._flags_cache.get(req.request_id)
         if cached is None:
             cached = self._flags_cache[req.request_id] = self.image_block_flags(req)
         return cached
 
+    def _kinds(self, req: Any, first: int, last: int) -> list[str]:
+        flags = self._flags_for(req)
+        return [IMAGE if i < len(flags) and flags[i] else TEXT for i in range(first, last)]
+
+    def blocks_needed(self, req: Any, num_tokens: int) -> dict[str, int]:
+        """Blocks of each pool that `num_tokens` tokens of this request occupy in total."""
+        n_blocks = -(-num_tokens // self.block_size)
+        image = sum(self.image_block_flags(req)[:n_blocks])
+        return {TEXT: n_blocks - image, IMAGE: image}
+
+    def pool_of(self, block: int) -> BlockPool:
+        return self.pools[IMAGE] if block in self.pools[IMAGE] else self.pools[TEXT]
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def new_blocks_for(self, req: Any, num_new_tokens: int) -> dict[str, int]:
+        have = len(req.block_table)
+        want = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        kinds = self._kinds(req, have, max(have, want))
+        return {TEXT: kinds.count(TEXT), IMAGE: kinds.count(IMAGE)}
+
+    def can_allocate(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> bool:
+        need = self.new_blocks_for(req, num_new_tokens)
+        for name, n in need.items():
+            pool = self.pools[name]
+            reserve = int(self.watermark * pool.num_blocks) if keep_watermark and n else 0
+            if n + reserve > pool.num_available:
+                return False
+        return True
+
+    def allocate(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> bool:
+        """Extend the block table to hold `num_new_tokens` more tokens; all or nothing."""
+        if not self.can_allocate(req, num_new_tokens, keep_watermark):
+            return False
+        have = len(req.block_table)
+        want = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        kinds = self._kinds(req, have, max(have, want))
+        fresh = {k: iter(self.pools[k].allocate(kinds.count(k))) for k in (TEXT, IMAGE)}
+        req.block_table.extend(next(fresh[k]) for k in kinds)
+        return True
+
     def free(self, req: Any) -> None:
         for block in req.block_table:
             self.pool_of(block).release(block)
         req.block_table = []
+        req.num_registered_blocks = 0
 
     def forget(self, req: Any) -> None:
         """Drop per-request bookkeeping once the request has finished for good."""
         self._flags_cache.pop(req.request_id, None)
 
-    def pool_of(self, block: int) -> BlockPool:
-        return self.pools[IMAGE] if block in self.pools[IMAGE] else self.pools[TEXT]
+    # ---- prefix reuse --------------------------------------------------------------------------
 
-    def report(self, requests: list[Any]) -> dict[str, dict[str, int]]:
+    def block_hash(self, req: Any, i: int, parent: bytes) -> bytes:
+        bs = self.block_size
+        lo, hi = i * bs, (i + 1) * bs
+        h = hashlib.sha256(parent)
+        h.update(b",".join(str(t).encode() for t in req.token_ids[lo:hi]))
+        for span in req.images:
+            a, b = max(lo, span.offset), min(hi, span.offset + span.length)
+            if a < b:
+                h.update(f"|img:{span.content_hash}:{a - span.offset}:{b - a}".encode())
+        return h.digest()
+
+    def match_prefix(self, req: Any) -> int:
+        """Take cached blocks for the longest cached prefix of a request that holds no blocks yet.
+
+        The last token is always left to compute, since its logits are needed. Returns the number of
+        tokens taken from cache.
+        """
+        if not self.enable_prefix_caching or req.block_table:
+            return 0
+        self._hash_full_blocks(req, upto=(req.num_tokens - 1) // self.block_size)
+        for i, h in enumerate(req.block_hashes[: (req.num_tokens - 1) // self.block_size]):
+            block = self.pools[self._kinds(req, i, i + 1)[0]].lookup(h)
+            if block is None:
+                break
+            req.block_table.append(block)
+        req.num_computed_tokens = len(req.block_table) * self.block_size
+        req.num_registered_blocks = len(req.block_table)
+        return req.num_computed_tokens
+
+    def commit(self, req: Any) -> None:
+        """After a step: register the blocks that have just become full, so others can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        self._hash_full_blocks(req, upto=full)
+        for i in range(req.num_registered_blocks, full):
+            block = req.block_table[i]
+            self.pool_of(block).register(block, req.block_hashes[i])
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
+
+    def _hash_full_blocks(self, req: Any, upto: int) -> None:
+        while len(req.block_hashes) < upto:
+            parent = req.block_hashes[-1] if req.block_hashes else b""
+            req.block_hashes.append(self.block_hash(req, len(req.block_hashes), parent))
+
+    # ---- reports -------------------------------------------------------------------------------
+
+    def report(self, requests: list[Any]) -> dict[str, dict[str, Any]]:
         filled = {TEXT: 0, IMAGE: 0}
         for req in requests:
             for i, block in enumerate(req.block_table):
                 n = min(self.block_size, max(0, req.num_computed_tokens - i * self.block_size))
                 filled[IMAGE if block in self.pools[IMAGE] else TEXT] += n
-        return {
-            name: {
+        out = {}
+        for name, pool in self.pools.items():
+            allocated = pool.num_used * self.block_size
+            out[name] = {
                 "total_blocks": pool.num_blocks,
                 "used_blocks": pool.num_used,
                 "free_blocks": pool.num_free,
-                "allocated_slots": pool.num_used * self.block_size,
+                "cached_blocks": pool.num_cached,
+                "allocated_slots": allocated,
                 "filled_slots": filled[name],
+                "internal_waste": 1.0 - filled[name] / allocated if allocated else 0.0,
+                "prefix_cache_queries": pool.queries,
+                "prefix_cache_hits": pool.hits,
+                "prefix_cache_misses": pool.queries - pool.hits,
+                "evictions": pool.evictions,
             }
-            for name, pool in self.pools.items()
-        }
+        return out

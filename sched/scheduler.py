@@ -1,19 +1,28 @@
-"""Continuous batching under a token budget, with chunked prefill.
+"""Continuous batching under a token budget, with chunked prefill, priorities and preemption.
 
-Each step the running requests go first (a decode costs one token, an unfinished prefill takes
-what budget is left as its next chunk), then waiting requests are admitted in rank order while the
-budget, `max_num_seqs` and free blocks allow. When a running request cannot get a block, the
-lowest-ranked running request is preempted: its blocks are freed and it waits again, keeping its
-rank and arrival, to be recomputed later.
+Each step walks running and waiting requests together in rank order (the policy's rank):
+- a running request gets its next chunk (a decode is one token); when its pool has no block left,
+  the lowest-ranked running request not yet scheduled this step is preempted;
+- a waiting request is admitted if a seat (`max_num_seqs`), its blocks (keeping a small watermark
+  of free blocks for the running ones) and the budgets allow; if not, it may preempt running
+  requests that it outranks by the policy's margin. Waiting requests never overtake each other.
+A chunk also stops before an image that the per-step encoder budget cannot encode.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
-from mm_engine.pools.block_manager import BlockManager
+from mm_engine.pools.block_manager import IMAGE, BlockManager
+from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
-from mm_engine.sched.policy import Policy
+from mm_engine.sched.policy import Policy, outranks
+from mm_engine.vision.encoder_cache import EncoderCache
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`: try again later."""
 
 
 @dataclass(slots=True)
@@ -28,64 +37,149 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, policy: Policy, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        blocks: BlockManager,
+        policy: Policy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        encoder_cache: EncoderCache,
+        encoder_budget: int,
+        swap: HostSwap | None = None,
+        max_waiting_requests: int = 10_000,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget
+        self.swap = swap  # None: preemption recomputes
+        self.max_waiting_requests = max_waiting_requests
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.num_preemptions = 0  # in all, for reports and tests
+        self.num_preemptions = 0
+        self.preemptions_by_pool = {"text": 0, "image": 0}
 
     def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.max_waiting_requests:
+            raise QueueFullError(f"queue full: {len(self.waiting)} requests are waiting; try again later")
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- one step ------------------------------------------------------------------------------
+
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        rank = lambda r: self.policy.rank(r, now)  # noqa: E731
-        self.running.sort(key=rank)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, batch):
-                break  # `req` itself was the lowest-ranked and got preempted
-            batch.items.append((req, n))
-            budget -= n
-            i += 1
-        if batch.preempted:
-            return batch  # memory is short: admitting anyone now would only thrash
-        self.waiting.sort(key=rank)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.allocate(req, n):
-                break  # strict rank order: nobody overtakes the head of the queue
-            self.waiting.pop(0)
-            self.running.append(req)
-            req.status = Status.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            batch.items.append((req, n))
-            budget -= n
+        ranks = {r.request_id: self.policy.rank(r, now) for r in (*self.running, *self.waiting)}
+        key = lambda r: ranks[r.request_id]  # noqa: E731
+        self.running.sort(key=key)
+        self.waiting.sort(key=key)
+        self._budget, self._encoder_left = self.max_num_batched_tokens, self.encoder_budget
+        self._scheduled: set[str] = set()
+        self._ranks = ranks
+        admitting = True
+        for req in list(heapq.merge(self.running, self.waiting, key=key)):
+            if self._budget == 0:
+                break
+            if req in batch.preempted:
+                continue  # preempted earlier in this step: it waits at least one step
+            if req.status is Status.RUNNING:
+                self._schedule_running(req, batch)
+            elif admitting:
+                admitting = self._admit(req, now, batch)
         return batch
 
-    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+    def _chunk(self, req: Request) -> tuple[int, int]:
+        """Tokens this request may compute now, and the image tokens to encode for them."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, self._budget)
+        cost = 0
+        for j, span in enumerate(req.images):
+            if span.offset >= start + n:
+                break
+            if span.offset + span.length <= start or j in req.image_embeds:
+                continue
+            if self.encoder_cache.contains(span.content_hash):
+                continue
+            if cost + span.length > self._encoder_left:
+                return max(0, span.offset - start), cost  # stop before the image that does not fit
+            cost += span.length
+        return n, cost
+
+    def _take(self, req: Request, n: int, cost: int, batch: ScheduledBatch) -> None:
+        batch.items.append((req, n))
+        self._budget -= n
+        self._encoder_left -= cost
+        self._scheduled.add(req.request_id)
+
+    def _schedule_running(self, req: Request, batch: ScheduledBatch) -> None:
+        n, cost = self._chunk(req)
+        if n == 0:
+            return
         while not self.blocks.allocate(req, n):
-            victim = self.running.pop()  # ranked last; everything before `req` is already scheduled
-            self.preempt(victim)
-            batch.preempted.append(victim)
+            victim = self._victim()
+            self.preempt(victim, batch)
             if victim is req:
-                return False
+                return
+        self._take(req, n, cost, batch)
+
+    def _victim(self, outranked_by: tuple | None = None) -> Request | None:
+        """The lowest-ranked running request not yet scheduled this step (optionally: outranked)."""
+        for r in reversed(self.running):
+            if r.request_id in self._scheduled:
+                continue
+            if outranked_by is None or outranks(self.policy, outranked_by, self._ranks[r.request_id]):
+                return r
+            return None
+        return None
+
+    def _admit(self, req: Request, now: float, batch: ScheduledBatch) -> bool:
+        swapped = self.swap is not None and self.swap.has(req.request_id)
+        cached = 0
+        if swapped:  # resume where it stopped; blocks are allocated fresh and the KV copied back
+            req.num_computed_tokens = self.swap.num_computed(req.request_id)
+        else:
+            cached = self.blocks.match_prefix(req)
+        n, cost = self._chunk(req)
+        while n > 0 and not (
+            len(self.running) < self.max_num_seqs and self.blocks.can_allocate(req, n, keep_watermark=True)
+        ):
+            victim = self._victim(outranked_by=self._ranks[req.request_id])
+            if victim is None:
+                n = 0
+            else:
+                self.preempt(victim, batch)
+        if n == 0:
+            self.blocks.free(req)  # give back any prefix blocks taken; they stay cached
+            req.num_computed_tokens = 0
+            return False
+        self.blocks.allocate(req, n)
+        if swapped:
+            self.swap.swap_in(req.request_id, req.block_table)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = Status.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            req.num_cached_tokens = cached
+        self._take(req, n, cost, batch)
         return True
 
-    def preempt(self, req: Request) -> None:
-        """Recompute-mode preemption: drop the KV, keep the tokens, wait again."""
+    # ---- leaving the batch ---------------------------------------------------------------------
+
+    def preempt(self, req: Request, batch: ScheduledBatch | None = None) -> None:
+        """Free a running request's blocks (swapping its KV to host if asked) and make it wait."""
+        self.running.remove(req)
+        bs = self.blocks.block_size
+        held = req.block_table[: -(-req.num_computed_tokens // bs)]
+        image_pool = self.blocks.pools[IMAGE]
+        has_image = any(b in image_pool for b in held)
+        for pool in {"image" if b in image_pool else "text" for b in held}:
+            self.preemptions_by_pool[pool] += 1
+        if self.swap is not None and held:
+            self.swap.swap_out(req.request_id, held, req.num_computed_tokens, has_image)
         self.blocks.free(req)
         req.num_computed_tokens = 0
         req.image_embeds.clear()
@@ -93,6 +187,8 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.append(req)
+        if batch is not None:
+            batch.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request from whichever queue holds it, freeing its blocks."""
@@ -100,6 +196,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.swap is not None:
+            self.swap.drop(req.request_id)
         self.blocks.free(req)
         self.blocks.forget(req)
         req.image_embeds.clear()
