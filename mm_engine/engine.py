@@ -133,8 +133,8 @@ class LLMEngine:
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.scheduler.add(req)  # may refuse (queue full) before anything is recorded
         self.requests[request_id] = req
-        self.scheduler.add(req)
         return request_id
 
     def check_fits(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
