@@ -1,0 +1,177 @@
+"""Stateful property test of the pools and the scheduler, without a model.
+
+Random arrivals (text and image requests, repeated prompts and images for cache hits), aborts and
+steps of a fake clock drive the real scheduler, block manager, prefix cache, swap space and encoder
+cache; a fake runner stands in for the model. After every rule the bookkeeping must add up.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
+from mm_engine.pools.block_pool import BlockPool
+from mm_engine.pools.kv_cache import KVCache, KVCacheSpec
+from mm_engine.pools.swap import HostSwap
+from mm_engine.request import ImageSpan, Request, Status
+from mm_engine.sampling_params import SamplingParams
+from mm_engine.sched.policy import PriorityPolicy
+from mm_engine.sched.scheduler import Scheduler
+from mm_engine.vision.encoder_cache import EncoderCache
+
+BS = 4
+IMG_TOKENS = 6
+IMAGE_ID = 99
+MAX_WAIT = 5.0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        mode=st.sampled_from(["recompute", "swap"]),
+        n_text=st.integers(8, 20),
+        n_image=st.integers(4, 10),
+        max_seqs=st.integers(1, 4),
+        budget=st.integers(4, 24),
+    )
+    def setup(self, mode, n_text, n_image, max_seqs, budget):
+        spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
+        self.kv = KVCache(spec, n_text + n_image, torch.device("cpu"))
+        self.blocks = BlockManager(
+            BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image), BS, True, 0.05
+        )
+        self.encoder_cache = EncoderCache(capacity_bytes=2 * IMG_TOKENS * 4)
+        swap = HostSwap(self.kv, 6 * spec.bytes_per_block) if mode == "swap" else None
+        self.policy = PriorityPolicy(image_priority_boost=0.5, max_wait_s=MAX_WAIT, preemption_margin=1.0)
+        self.sched = Scheduler(
+            self.blocks,
+            self.policy,
+            max_seqs,
+            budget,
+            self.encoder_cache,
+            IMG_TOKENS,
+            swap,
+            max_waiting_requests=50,
+        )
+        self.now = 0.0
+        self.seq = 0
+        self.live: dict[str, Request] = {}
+
+    # ---- rules -------------------------------------------------------------------------------
+
+    @rule(
+        n_images=st.integers(0, 2),
+        image_seed=st.integers(0, 2),
+        words=st.lists(st.integers(1, 5), min_size=1, max_size=6),
+        max_tokens=st.integers(1, 6),
+        priority=st.integers(0, 2),
+    )
+    def arrive(self, n_images, image_seed, words, max_tokens, priority):
+        ids: list[int] = [1]
+        spans = []
+        for k in range(n_images):
+            spans.append(ImageSpan(len(ids), IMG_TOKENS, torch.zeros(1), f"img{image_seed + k}"))
+            ids += [IMAGE_ID] * IMG_TOKENS
+        ids += words
+        req = Request(
+            str(self.seq), ids, spans, SamplingParams(max_tokens=max_tokens), self.now, self.seq, frozenset(),
+            priority=priority,
+        )  # fmt: skip
+        need = self.blocks.blocks_needed(req, len(ids) + max_tokens)
+        if any(n > self.blocks.pools[p].num_blocks * 0.9 for p, n in need.items()):
+            return  # the engine refuses what could never fit; see test_request_that_can_never_fit
+        self.seq += 1
+        self.sched.add(req)
+        self.live[req.request_id] = req
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.sched.finish(self.live.pop(rid))
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
+    def step(self, dt):
+        self.now += dt
+        batch = self.sched.schedule(self.now)
+        ranks = {r.request_id: self.policy.rank(r, self.now) for r in self.live.values()}
+        scheduled = {r.request_id for r, _ in batch.items}
+        for w in self.sched.waiting:
+            if ranks[w.request_id][0] == 0:  # starved: only requests ranked above it may run instead
+                assert any(ranks[s] < ranks[w.request_id] for s in scheduled), (
+                    "a starved request was passed over"
+                )
+        for req, n in batch.items:
+            self._fake_run(req, n)
+            assert req.num_computed_tokens <= req.num_tokens
+            self.blocks.commit(req)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(7 + len(req.token_ids) % 3)  # a made-up sampled token
+                if len(req.output_token_ids) >= req.params.max_tokens:
+                    self.sched.finish(self.live.pop(req.request_id))
+
+    def _fake_run(self, req: Request, n: int) -> None:
+        """What the runner does that the scheduler relies on: encode touched images, drop passed ones."""
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        for j, span in enumerate(req.images):
+            if span.offset < end and start < span.offset + span.length and j not in req.image_embeds:
+                feats = self.encoder_cache.get(span.content_hash)
+                if feats is None:
+                    feats = torch.zeros(IMG_TOKENS)
+                    self.encoder_cache.put(span.content_hash, feats)
+                req.image_embeds[j] = feats
+        assert len(req.block_table) * BS >= end, "computing tokens that have no slot"
+        req.num_computed_tokens = end
+        for j in [j for j in req.image_embeds if req.images[j].offset + req.images[j].length <= end]:
+            del req.image_embeds[j]
+
+    # ---- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def blocks_add_up(self):
+        if not hasattr(self, "blocks"):
+            return
+        holders: dict[int, int] = {}
+        for req in self.live.values():
+            flags = self.blocks.image_block_flags(req)
+            for i, b in enumerate(req.block_table):
+                holders[b] = holders.get(b, 0) + 1
+                is_image = i < len(flags) and flags[i]
+                assert (b in self.blocks.pools[IMAGE]) == is_image, "block in the wrong pool"
+        for pool in self.blocks.pools.values():
+            free, used, cached = pool.blocks_by_state()
+            assert not (free & used) and not (free & cached) and not (used & cached), "a block in two places"
+            assert len(free) + len(used) + len(cached) == pool.num_blocks
+            assert free | used | cached == set(range(pool.first_block, pool.first_block + pool.num_blocks))
+            for b in range(pool.first_block, pool.first_block + pool.num_blocks):
+                assert pool.ref_count(b) == holders.get(b, 0), f"block {b}: refs != holders"
+        for req in self.sched.waiting:
+            assert req.status is Status.WAITING and not req.block_table
+        assert len(self.sched.running) <= self.sched.max_num_seqs
+
+    @invariant()
+    def nothing_leaks_when_idle(self):
+        if hasattr(self, "blocks") and not self.live:
+            for pool in self.blocks.pools.values():
+                assert pool.num_used == 0
+            if self.sched.swap is not None:
+                assert self.sched.swap.used_bytes == 0
+
+    def teardown(self):
+        if not hasattr(self, "blocks"):
+            return
+        # Drain: every request ends, and nobody waited past the aging bound without a reason.
+        for _ in range(500):
+            if not self.live:
+                break
+            self.step(1.0)
+        assert not self.live, "requests never finished"
+        self.nothing_leaks_when_idle()
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
