@@ -44,7 +44,7 @@ class PriorityPolicy:
     score = priority - image_priority_boost (if the request has images) - aging, where aging grows
     linearly from 0 to `image_priority_boost` over `max_wait_s`: a text request that has waited
     `max_wait_s` has caught up with a fresh image request of its priority, and from then on it is in
-    tier 0, ahead of every request that has not waited as long.
+    tier 0, ahead of every request that has not waited as long; tier 0 is served oldest first.
     """
 
     name = "priority"
@@ -60,10 +60,13 @@ class PriorityPolicy:
 
     def rank(self, req: Any, now: float) -> Rank:
         wait = waited(req, now)
-        tier = 0 if wait >= self.max_wait_s else 1
+        if wait >= self.max_wait_s:
+            # Starved: oldest first, whatever the priority or modality, so the wait stays bounded
+            # even when a flood of better-ranked requests is starving too.
+            return (0, 0.0, req.arrival_time, req.seq_no)
         boost = self.image_priority_boost if req.has_images else 0.0
         aging = self.image_priority_boost * min(wait / self.max_wait_s, 1.0)
-        return (tier, req.priority - boost - aging, req.arrival_time, req.seq_no)
+        return (1, req.priority - boost - aging, req.arrival_time, req.seq_no)
 
 
 def outranks(policy: Policy, a: Rank, b: Rank) -> bool:

@@ -1,0 +1,179 @@
+"""Build small random LLaVA checkpoints the way a user's real one looks on disk (for tests and
+benchmarks; random weights generate arbitrary tokens).
+
+Everything is made here: a word-level tokenizer trained with `tokenizers`, a CLIP or SigLIP
+vision tower, a Llama or Qwen2 language model, a `LlavaProcessor` with a chat template, all saved
+with `save_pretrained`. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    SiglipImageProcessor,
+    SiglipVisionConfig,
+)
+
+WORDS = [
+    "a",
+    "an",
+    "the",
+    "is",
+    "are",
+    "what",
+    "how",
+    "many",
+    "color",
+    "shape",
+    "image",
+    "picture",
+    "describe",
+    "this",
+    "there",
+    "of",
+    "in",
+    "and",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "circle",
+    "square",
+    "triangle",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "big",
+    "small",
+    "one",
+    "two",
+    "three",
+    "yes",
+    "no",
+    "question",
+    "answer",
+    "user",
+    "assistant",
+    "photo",
+    "show",
+    "me",
+    "tell",
+    "about",
+    "where",
+    "which",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    corpus = [" ".join(WORDS)] * 4 + [w.upper() + ":" for w in ("user", "assistant")]
+    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<s>", "</s>", "<image>"])
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    return fast
+
+
+def build_checkpoint(
+    path: str | Path,
+    vision: str = "clip",
+    text: str = "llama",
+    image_size: int = 32,
+    patch_size: int = 8,
+    seed: int = 0,
+    select_strategy: str = "default",
+    feature_layer: int | list[int] = -2,
+) -> Path:
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    if vision == "clip":
+        vcfg = CLIPVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch_size,
+            projection_dim=64,
+        )
+        improc = CLIPImageProcessor(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
+    else:
+        vcfg = SiglipVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch_size,
+        )
+        improc = SiglipImageProcessor(size={"height": image_size, "width": image_size})
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if text == "llama":
+        tcfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, **common)
+    else:
+        tcfg = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **common)
+    cfg = LlavaConfig(
+        vision_config=vcfg,
+        text_config=tcfg,
+        image_token_index=image_token_id,
+        vision_feature_select_strategy=select_strategy,
+        vision_feature_layer=feature_layer,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    # Random init is near zero; scale up so logits are peaked and greedy ties are unlikely.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    processor = LlavaProcessor(
+        image_processor=improc,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy=select_strategy,
+        chat_template=CHAT_TEMPLATE,
+        num_additional_image_tokens=1 if vision == "clip" else 0,
+    )
+    processor.save_pretrained(path)
+    return path
