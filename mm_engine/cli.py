@@ -12,6 +12,7 @@ import types
 import typing
 from pathlib import Path
 
+from mm_engine.caption_cli import add_caption_parser
 from mm_engine.config import EngineConfig
 
 
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    add_caption_parser(sub, add_engine_args)
     return parser
 
 
