@@ -18,18 +18,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from mm_engine.caption_inputs import CaptionInput, check_output, discover, in_shard, parse_shard
+from mm_engine.caption_report import CaptionSummary, Tally, progress_mode
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.scheduler import QueueFullError
 from mm_engine.vision.image_io import load_image
@@ -177,32 +174,6 @@ def _message(exc: Exception) -> str:
     return f"unexpected {type(exc).__name__} while preparing the image"
 
 
-@dataclass(slots=True)
-class CaptionSummary:
-    inputs: int  # in this job (this shard), including those already done
-    captioned: int
-    failed: int
-    skipped: int  # already in the output file (resume)
-    prompt_tokens: int
-    generated_tokens: int
-    images_per_second: float  # over the captioning, after the model is loaded
-    tokens_per_second: float  # generated tokens
-    wall_time_s: float  # the whole job, loading included
-    load_time_s: float
-    out: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        return (
-            f"{self.inputs} inputs: {self.captioned} captioned, {self.failed} failed, "
-            f"{self.skipped} already done; {self.images_per_second:.2f} images/s, "
-            f"{self.tokens_per_second:.1f} generated tokens/s; wall time {self.wall_time_s:.1f} s "
-            f"(model load {self.load_time_s:.1f} s) -> {self.out}"
-        )
-
-
 def caption_images(
     inputs: str | os.PathLike | Iterable[str | os.PathLike],
     out: str | os.PathLike,
@@ -239,12 +210,12 @@ def caption_images(
     specs = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
     shard_spec = parse_shard(shard)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    mode = _progress_mode(progress)
+    mode = progress_mode(progress)
     selected = [inp for inp in discover(specs) if in_shard(inp.id, shard_spec)]
     out_path = Path(out)
     done = check_output(out_path, resume, overwrite)
     todo = [inp for inp in selected if inp.id not in done]
-    tally = _Tally(total=len(selected), skipped=len(selected) - len(todo))
+    tally = Tally(total=len(selected), skipped=len(selected) - len(todo))
 
     # Opened before the model loads so that an unwritable path fails at once; emptied (overwrite)
     # only once the model has loaded, so a job that cannot start destroys nothing.
@@ -268,84 +239,3 @@ def caption_images(
             finally:
                 tally.close()
     return tally.summary(time.perf_counter() - start, loaded - start, str(out_path))
-
-
-def _progress_mode(progress: str | bool) -> str:
-    mode = {True: "auto", False: "none"}.get(progress, progress)  # type: ignore[arg-type]
-    if mode not in ("auto", "bar", "log", "none"):
-        raise ValueError(f"progress must be 'auto', 'bar', 'log' or 'none', got {progress!r}")
-    if mode == "auto":
-        mode = "bar" if sys.stderr.isatty() else "log"
-    return mode
-
-
-class _Tally:
-    """Counts results and reports progress: a tqdm bar (images/s, time left) on a terminal, a log
-    line every `interval` seconds otherwise."""
-
-    def __init__(self, total: int, skipped: int) -> None:
-        self.total, self.skipped, self.done, self.logged = total, skipped, skipped, skipped
-        self.captioned = self.failed = self.prompt_tokens = self.tokens = 0
-        self.mode, self.interval, self.bar = "none", 0.0, None
-        self.start = self.last = time.perf_counter()
-
-    def start_reporting(self, mode: str, interval: float) -> None:
-        self.mode, self.interval = mode, interval
-        self.start = self.last = time.perf_counter()
-        if mode == "bar":
-            self.bar = tqdm(
-                total=self.total, initial=self.skipped, unit="img", dynamic_ncols=True, file=sys.stderr
-            )
-
-    def add(self, rec: dict) -> None:
-        self.done += 1
-        if "error" in rec:
-            self.failed += 1
-        else:
-            self.captioned += 1
-            self.prompt_tokens += rec["prompt_tokens"]
-            self.tokens += rec["completion_tokens"]
-        now = time.perf_counter()
-        if self.bar is not None:
-            tok_s = self.tokens / max(now - self.start, 1e-9)
-            self.bar.set_postfix(failed=self.failed, tok_s=f"{tok_s:.0f}", refresh=False)
-            self.bar.update(1)
-        elif self.mode == "log" and now - self.last >= self.interval:
-            self._log(now)
-
-    def _log(self, now: float) -> None:
-        self.last, self.logged = now, self.done
-        print(self.line(now), file=sys.stderr, flush=True)
-
-    def line(self, now: float) -> str:
-        elapsed = max(now - self.start, 1e-9)
-        rate = (self.done - self.skipped) / elapsed
-        left = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "unknown"
-        return (
-            f"caption: {self.done}/{self.total} inputs ({100 * self.done / max(self.total, 1):.0f}%), "
-            f"{self.failed} failed, {rate:.2f} images/s, {self.tokens / elapsed:.1f} generated tokens/s, "
-            f"{left} left"
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.mode == "log" and self.done != self.logged:  # the last count, unless just logged
-            self._log(time.perf_counter())
-
-    def summary(self, wall: float, load: float, out: str) -> CaptionSummary:
-        elapsed = time.perf_counter() - self.start if self.done > self.skipped else 0.0
-        rate = lambda n: n / elapsed if elapsed > 0 else 0.0
-        return CaptionSummary(
-            inputs=self.total,
-            captioned=self.captioned,
-            failed=self.failed,
-            skipped=self.skipped,
-            prompt_tokens=self.prompt_tokens,
-            generated_tokens=self.tokens,
-            images_per_second=rate(self.done - self.skipped),
-            tokens_per_second=rate(self.tokens),
-            wall_time_s=wall,
-            load_time_s=load,
-            out=out,
-        )
