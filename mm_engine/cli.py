@@ -12,6 +12,7 @@ import types
 import typing
 from pathlib import Path
 
+from mm_engine.api.server import add_serve_parser
 from mm_engine.caption_cli import add_caption_parser
 from mm_engine.config import EngineConfig
 
@@ -26,7 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(kind, types.UnionType):  # `int | None` and the like
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         flag = "--" + f.name.replace("_", "-")
-        group.add_argument(flag, type=kind, default=f.default, help=f"default: {f.default}")
+        if kind is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            group.add_argument(flag, type=kind, default=f.default, help=f"default: {f.default}")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -89,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_caption_parser(sub, add_engine_args)
+    add_serve_parser(sub, add_engine_args)
     return parser
 
 

@@ -12,6 +12,8 @@ import torch
 
 from mm_engine.sampling_params import SamplingParams
 
+GREEDY_BELOW = 1e-5
+
 
 class Sampler:
     def sample(
@@ -24,12 +26,15 @@ class Sampler:
             raise ValueError("sample() needs logits [batch, vocab] and one params and generator per row")
         logits = logits.float()
         greedy_ids = logits.argmax(dim=-1)
-        greedy = [p.temperature == 0.0 for p in params]
+        # A temperature this small only overflows the division; it means greedy (as in vLLM).
+        greedy = [p.temperature < GREEDY_BELOW for p in params]
         if all(greedy):
             return greedy_ids.tolist()
 
         device = logits.device
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temps = torch.tensor(
+            [p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params], device=device
+        )
         probs = self._filtered_probs(logits / temps.unsqueeze(1), params)
         noise = self._exponential_noise(probs.shape, generators, device)
         sampled_ids = (probs / noise).argmax(dim=-1)
@@ -57,6 +62,7 @@ class Sampler:
         # reaches top_p, and always the top token (mass before it is 0).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         cut |= mass_before >= torch.tensor(ps, device=device).unsqueeze(1)
+        cut[:, 0] = False  # a top_p that underflows float32 to 0 must still keep the best token
         removed = torch.zeros_like(cut).scatter_(1, order, cut)
         return torch.softmax(logits.masked_fill(removed, float("-inf")), dim=-1)
 

@@ -136,3 +136,14 @@ def test_unseeded_rows_use_global_rng() -> None:
 def test_bad_shapes_raise() -> None:
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(2, 5), [SamplingParams()], [None])
+
+
+def test_extreme_temperature_and_top_p_stay_finite():
+    """A temperature that overflows the division is greedy; a top_p that underflows float32 still
+    keeps the best token (both gave token 0 from NaN probabilities before)."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5]])
+    sampler = Sampler()
+    tiny_t = SamplingParams(temperature=1e-300, max_tokens=1)
+    tiny_p = SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=1)
+    for params in (tiny_t, tiny_p):
+        assert sampler.sample(logits, [params], [torch.Generator().manual_seed(0)]) == [1]

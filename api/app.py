@@ -1,0 +1,55 @@
+"""The Litestar app: `create_app(async_llm, settings)`.
+
+The app does not own the engine: whoever made the `AsyncLLM` shuts it down (the server does after
+uvicorn returns), so tests can put several apps in front of one engine.
+"""
+
+from __future__ import annotations
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
+
+from mm_engine.api.context import ServerContext
+from mm_engine.api.errors import EXCEPTION_HANDLERS
+from mm_engine.api.media import MediaFetcher
+from mm_engine.api.metrics import Metrics
+from mm_engine.api.routes_caption import create_caption
+from mm_engine.api.routes_chat import create_chat_completion
+from mm_engine.api.routes_misc import health, list_models, metrics, retrieve_model
+from mm_engine.api.settings import ServerSettings
+from mm_engine.async_llm import AsyncLLM
+
+ROUTES = [create_caption, create_chat_completion, list_models, retrieve_model, health, metrics]
+
+
+def create_app(
+    llm: AsyncLLM, settings: ServerSettings | None = None, *, fetcher: MediaFetcher | None = None
+) -> Litestar:
+    settings = settings or ServerSettings()
+    llm.engine.inputs.limits = settings.image_limits()
+    metrics_ = Metrics(llm)
+    llm.listener = metrics_
+    fetcher = fetcher or MediaFetcher(
+        settings.allowed_media_domains,
+        settings.max_image_bytes,
+        settings.media_fetch_timeout,
+        settings.media_max_redirects,
+    )
+    ctx = ServerContext(llm, settings, metrics_, fetcher)
+    return Litestar(
+        route_handlers=ROUTES,
+        state=State({"ctx": ctx}),
+        exception_handlers=EXCEPTION_HANDLERS,
+        request_max_body_size=settings.max_body_bytes,
+        # Parts beyond the images and the few text fields are refused while parsing.
+        multipart_form_part_limit=settings.max_images_per_request + 16,
+        openapi_config=OpenAPIConfig(
+            title="mm-engine",
+            version="0.1.0",
+            description="Multimodal LLM serving: multipart captioning and OpenAI-compatible chat.",
+        ),
+        on_shutdown=[fetcher.aclose],
+        logging_config=None,  # the server (uvicorn) owns logging; Litestar's would reset it
+        debug=False,
+    )

@@ -1,0 +1,165 @@
+"""Every error leaves the server in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Messages are for the client: they never carry a server path, a memory address or a traceback
+(those go to the log). Anything unexpected is a 500 with a fixed message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+
+from jinja2 import TemplateError
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from mm_engine.api.schemas import ErrorDetail, ErrorResponse
+from mm_engine.async_llm import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineError,
+    EngineOverloadedError,
+)
+
+logger = logging.getLogger("mm_engine.api")
+
+_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
+_CODES = {
+    400: "invalid_value",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "queue_full",
+    503: "service_unavailable",
+}
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{4,}\b")
+_PATH = re.compile(r"(?<![\w.:/])(?:[A-Za-z]:)?[/\\](?:[\w.\- ]+[/\\])+[\w.\-]*")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code or _CODES.get(status)
+        self.retry_after = retry_after
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; its request was aborted."""
+
+
+def sanitize(message: str, limit: int = 500) -> str:
+    """Strip what could describe the server (paths, addresses) from a message meant for clients."""
+    message = _ADDRESS.sub("0x?", message)
+    message = _PATH.sub("<path>", message)
+    return message if len(message) <= limit else message[:limit] + "..."
+
+
+def error_body(err: APIError) -> ErrorResponse:
+    kind = _TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    return ErrorResponse(ErrorDetail(sanitize(err.message), kind, err.param, err.code))
+
+
+def error_response(err: APIError) -> Response[ErrorResponse]:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return Response(error_body(err), status_code=err.status, headers=headers)
+
+
+def engine_error(exc: EngineError, retry_after: int) -> APIError:
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, str(exc), retry_after=retry_after)
+    if isinstance(exc, EngineDrainingError):
+        return APIError(503, str(exc), code="draining", retry_after=retry_after)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine is not running", code="engine_dead")
+    return APIError(500, str(exc), code="engine_error")  # our own fixed messages, no details
+
+
+@contextlib.contextmanager
+def client_errors(param: str | None) -> Iterator[None]:
+    """Turn a ValueError of the engine (bad prompt, bad image, too long) into a 400 naming `param`."""
+    try:
+        yield
+    except (ValueError, TemplateError) as exc:
+        raise APIError(400, str(exc) or "invalid request", param=param, code="invalid_value") from None
+
+
+# ---- Litestar exception handlers -----------------------------------------------------------------
+
+
+def _on_api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc)
+
+
+def _on_engine_error(request: Request, exc: EngineError) -> Response:
+    retry = request.app.state.ctx.settings.retry_after_seconds
+    return error_response(engine_error(exc, retry))
+
+
+def _on_validation(request: Request, exc: ValidationException) -> Response:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    first = extra[0] if extra and isinstance(extra[0], dict) else {}
+    detail = first.get("message") or exc.detail
+    key = first.get("key")
+    path = key if key and key != "data" else ""  # "data" is Litestar's name for the whole body
+    # msgspec names the spot as "... - at `$.messages[0].content`"; that is the param.
+    match = re.search(r" - at `\$\.?(.*)`$", detail)
+    if match:
+        detail, path = detail[: match.start()], match.group(1)
+    missing = re.search(r"missing required field `([^`]+)`", detail)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return error_response(APIError(400, f"'{path}' is required", param=path))
+    if detail.startswith("Validation failed for"):
+        detail = "the request body is not valid"
+    message = f"invalid value for '{path}': {detail}" if path else detail
+    return error_response(APIError(400, message, param=path or None))
+
+
+def _on_http(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    if status >= 500:
+        logger.error("internal error on %s", request.url.path, exc_info=exc)
+        return error_response(APIError(500, "internal server error", code="internal_error"))
+    if status == 404:
+        message = "no such route"
+    elif status == 413:
+        limit = request.app.state.ctx.settings.max_body_bytes
+        message = f"the request body is larger than the limit of {limit} bytes"
+    elif exc.detail == "Request Entity Too Large":  # Litestar 2's answer to too many form parts
+        message = "the form has too many parts"
+    else:
+        message = exc.detail or "bad request"
+    return error_response(APIError(status, message))
+
+
+def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+    return error_response(APIError(400, "client disconnected", code="client_disconnected"))
+
+
+def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.error("unexpected error on %s", request.url.path, exc_info=exc)
+    return error_response(APIError(500, "internal server error", code="internal_error"))
+
+
+EXCEPTION_HANDLERS = {
+    APIError: _on_api_error,
+    EngineError: _on_engine_error,
+    ValidationException: _on_validation,
+    HTTPException: _on_http,
+    ClientDisconnected: _on_disconnect,
+    Exception: _on_unexpected,
+}

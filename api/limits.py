@@ -1,0 +1,81 @@
+"""Request limits that need more than a schema: stop strings, image counts, max_tokens vs context."""
+
+from __future__ import annotations
+
+from mm_engine.api.errors import APIError
+from mm_engine.api.settings import ServerSettings
+from mm_engine.sampling_params import SamplingParams
+
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# Below this a temperature only overflows the logits; it means greedy (vLLM does the same).
+GREEDY_BELOW = 1e-5
+
+
+def check_stop(stop: str | list[str] | None, settings: ServerSettings) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > settings.max_stop_strings:
+        raise APIError(
+            400,
+            f"at most {settings.max_stop_strings} stop strings are allowed, got {len(stops)}",
+            param="stop",
+        )
+    for s in stops:
+        if not s:
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        if len(s) > settings.max_stop_length:
+            raise APIError(
+                400,
+                f"a stop string is {len(s)} characters, over the limit of {settings.max_stop_length}",
+                param="stop",
+            )
+    return stops
+
+
+def check_image_count(n: int, settings: ServerSettings, param: str) -> None:
+    if n > settings.max_images_per_request:
+        raise APIError(
+            400, f"{n} images were sent; at most {settings.max_images_per_request} are allowed", param=param
+        )
+
+
+def sampling_params(**kwargs) -> SamplingParams:
+    """`SamplingParams` from request fields (None: the default); a bad value is a 400 naming it."""
+    if kwargs.get("temperature") is not None and kwargs["temperature"] < GREEDY_BELOW:
+        kwargs["temperature"] = 0.0
+    try:
+        return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    except ValueError as exc:
+        message = str(exc)
+        param = next((p for p in _PARAMS if message.startswith(p)), None)
+        raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def fit_max_tokens(
+    params: SamplingParams,
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    settings: ServerSettings,
+    param: str,
+    prompt_param: str,
+) -> None:
+    """Set `params.max_tokens`: the request's, if the context has room for it, else a 400."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"the prompt is {prompt_len} tokens, which leaves no room to generate "
+            f"within max_model_len={max_model_len}",
+            param=prompt_param,
+        )
+    if requested is None:
+        params.max_tokens = min(settings.default_max_tokens, room)
+    elif requested > room:
+        raise APIError(
+            400,
+            f"{param}={requested} is more than the {room} tokens left for the output "
+            f"(max_model_len={max_model_len} minus {prompt_len} prompt tokens)",
+            param=param,
+        )
+    else:
+        params.max_tokens = requested

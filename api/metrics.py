@@ -1,0 +1,117 @@
+"""Prometheus metrics under `mm_engine:`, named after vLLM's (`vllm:`) where one exists.
+
+Gauges and engine counters are read from the engine's latest `stats()` at scrape time; request
+timings are observed by the engine thread as outputs come out (prometheus-client is thread-safe).
+Each app has its own registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mm_engine.async_llm import AsyncLLM
+from mm_engine.outputs import RequestOutput
+
+P = "mm_engine:"
+POOLS = ("text", "image")
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+        480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_FILL = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and the engine's own counters, from its latest stats snapshot."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+
+    def collect(self):
+        s = self.llm.stats()
+        yield GaugeMetricFamily(P + "num_requests_running", "Requests in the running batch.",
+                                value=s.get("num_requests_running", 0))  # fmt: skip
+        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting to be scheduled.",
+                                value=s.get("num_requests_waiting", 0))  # fmt: skip
+        usage = GaugeMetricFamily(
+            P + "kv_cache_usage_perc", "Fraction of the pool's KV blocks in use (0 to 1).", labels=["pool"]
+        )
+        for pool in POOLS:
+            usage.add_metric([pool], s.get("kv_cache_usage_perc", {}).get(pool, 0.0))
+        yield usage
+        for key, doc in (
+            ("prefix_cache_queries", "Blocks looked up in the prefix cache."),
+            ("prefix_cache_hits", "Blocks found in the prefix cache."),
+        ):
+            fam = CounterMetricFamily(P + key, doc, labels=["pool"])
+            for pool in POOLS:
+                fam.add_metric([pool], s.get(key + "_total", {}).get(pool, 0))
+            yield fam
+        yield CounterMetricFamily(P + "encoder_cache_hits", "Images whose encoder output was cached.",
+                                  value=s.get("encoder_cache_hits_total", 0))  # fmt: skip
+        yield CounterMetricFamily(P + "num_preemptions", "Requests preempted (recompute or swap).",
+                                  value=s.get("num_preemptions_total", 0))  # fmt: skip
+
+
+class Metrics:
+    """The app's registry; also the engine's `StatsListener`."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.registry = r = CollectorRegistry()
+        self.max_num_seqs = llm.engine.config.max_num_seqs
+        by = ["modality"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", by,
+                              buckets=_LATENCY, registry=r)  # fmt: skip
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between two tokens of a request.", by,
+                             buckets=_ITL, registry=r)  # fmt: skip
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.", by,
+                             buckets=_E2E, registry=r)  # fmt: skip
+        self.queue = Histogram(P + "request_queue_time_seconds", "Time waiting before first scheduled.", by,
+                               buckets=_E2E, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter(P + "request_success", "Requests ended, by reason (stop, length, abort).",
+                               ["finished_reason"], registry=r)  # fmt: skip
+        self.step = Histogram(P + "scheduler_step_seconds", "Wall time of one engine step.",
+                              buckets=_STEP, registry=r)  # fmt: skip
+        self.fill = Histogram(P + "batch_fill_ratio", "Running requests over max_num_seqs, per step.",
+                              buckets=_FILL, registry=r)  # fmt: skip
+        r.register(_EngineCollector(llm))
+        # Every series exists from the start (at 0), so rates and dashboards work before traffic.
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(reason)
+        for hist in (self.ttft, self.itl, self.e2e, self.queue):
+            for modality in ("image", "text"):
+                hist.labels(modality)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- StatsListener (engine thread) -------------------------------------------------------------
+
+    def on_step(self, seconds: float, num_outputs: int, stats: dict) -> None:
+        self.step.observe(seconds)
+        self.fill.observe(min(1.0, stats.get("num_requests_running", 0) / self.max_num_seqs))
+
+    def on_output(self, out: RequestOutput, modality: str, new_tokens: int, itl: float | None) -> None:
+        self.generation_tokens.inc(new_tokens)
+        if itl is not None:
+            self.itl.labels(modality).observe(itl)
+
+    def on_finished(self, out: RequestOutput, modality: str, arrival_time: float) -> None:
+        m = out.metrics
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.success.labels(out.outputs[0].finish_reason or "stop").inc()
+        if m.first_token_time is not None:
+            self.ttft.labels(modality).observe(max(0.0, m.first_token_time - arrival_time))
+        if m.finished_time is not None:
+            self.e2e.labels(modality).observe(max(0.0, m.finished_time - arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue.labels(modality).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+
+    def on_aborted(self, modality: str) -> None:
+        self.success.labels("abort").inc()

@@ -1,0 +1,103 @@
+"""OpenAI chat-completions wire format (the subset we serve, plus vLLM-style extras)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from mm_engine.api.schemas import MaxTokens, Priority, Seed, TopP, Usage
+
+
+class ImageURL(Struct):
+    url: str  # data:image/...;base64,...; http(s) only for hosts in --allowed-media-domains
+    detail: str | None = None  # accepted for compatibility; images are always used at full detail
+
+
+class TextPart(Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(Struct, tag_field="type", tag="image_url"):
+    image_url: ImageURL
+
+
+ContentPart = TextPart | ImagePart
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(Struct):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted at their neutral values only, so a client that sends them explicitly still works.
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logprobs: bool = False
+    # Extras (vLLM names): send them with the openai client's `extra_body`.
+    priority: Priority = 0
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    ignore_eos: bool = False
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    # With stream_options.include_usage every chunk carries "usage": null but the last (choices
+    # empty) which carries the totals; without it the field is left out.
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "chat.completion.chunk"

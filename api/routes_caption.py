@@ -1,0 +1,119 @@
+"""`POST /v1/caption`: multipart image upload in, caption out (JSON, or server-sent events).
+
+The prompt: one containing the model's image placeholder (`<image>`) is used as is, one placeholder
+per uploaded image; any other prompt is a question put after the images in one user message
+rendered with the model's chat template (like `mm-engine generate` and the batch captioner).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from litestar import Request, post
+from litestar.enums import RequestEncodingType
+from litestar.params import Body
+
+from mm_engine.api.context import ServerContext, get_ctx
+from mm_engine.api.errors import APIError, client_errors
+from mm_engine.api.limits import check_image_count, check_stop, fit_max_tokens, sampling_params
+from mm_engine.api.routes_common import error_responses, require_content_type
+from mm_engine.api.schemas import CaptionChunk, CaptionForm, CaptionResponse, usage_of
+from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
+from mm_engine.async_llm import ProcessedInputs
+from mm_engine.inputs import InputProcessor
+from mm_engine.outputs import RequestOutput
+from mm_engine.vision.image_io import ImageError
+
+
+def process_caption(inputs: InputProcessor, prompt: str, images: list[bytes]) -> ProcessedInputs:
+    """Runs in the worker pool: builds the prompt around the images, tokenizes, decodes images."""
+    if inputs.image_token in prompt or inputs.chat_template is None:
+        if inputs.image_token not in prompt:  # no template to place them: images go first
+            prompt = " ".join([inputs.image_token] * len(images)) + " " + prompt
+        return ProcessedInputs(*inputs.process({"prompt": prompt, "multi_modal_data": {"image": images}}))
+    # Any data: media type will do; images are identified by their content.
+    urls = ["data:image/*;base64," + base64.b64encode(b).decode() for b in images]
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+    return ProcessedInputs(*inputs.chat(messages))
+
+
+@post(
+    "/v1/caption",
+    status_code=200,
+    before_request=require_content_type("multipart/form-data"),
+    responses=error_responses(),
+    summary="Caption uploaded images",
+    description="Multipart form: one or more `image` file parts and optional sampling fields. "
+    "With `stream=true` the answer is server-sent events of `caption.chunk` objects, then `[DONE]`.",
+    operation_id="createCaption",
+    tags=["caption"],
+)
+async def create_caption(
+    request: Request, data: Annotated[CaptionForm, Body(media_type=RequestEncodingType.MULTI_PART)]
+) -> CaptionResponse:  # or a Stream of server-sent events (a Response is passed through as is)
+    ctx = get_ctx(request)
+    arrival = time.time()
+    settings = ctx.settings
+    images = []
+    for upload in data.image:  # only the bytes are used, never the file name
+        images.append(await upload.read())
+        await upload.close()
+    model = ctx.model_name(data.model)
+    if not images:
+        raise APIError(400, "at least one 'image' file part is required", param="image")
+    check_image_count(len(images), settings, "image")
+    params = sampling_params(
+        temperature=data.temperature, top_p=data.top_p, seed=data.seed, stop=check_stop(data.stop, settings)
+    )
+    ctx.llm.check_admission()
+    prompt = settings.default_caption_prompt if data.prompt is None else data.prompt
+    try:
+        inputs = await ctx.llm.run_in_worker(process_caption, ctx.llm.engine.inputs, prompt, images)
+    except ImageError as exc:
+        raise APIError(400, str(exc), param="image", code="invalid_image") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
+    fit_max_tokens(params, data.max_tokens, len(inputs.token_ids), ctx.llm.engine.max_model_len,
+                   settings, "max_tokens", "prompt")  # fmt: skip
+    rid = f"caption-{uuid.uuid4().hex}"
+    gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
+    head = _Head(rid, int(arrival), model)
+    with client_errors(None):
+        if not data.stream:
+            return head.response(await ctx.run(request, last_output(gen)))
+        first = await ctx.run(request, anext(gen))
+    return sse_response(_events(ctx, head, first, gen))
+
+
+class _Head:
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self.rid, self.created, self.model = rid, created, model
+
+    def response(self, out: RequestOutput) -> CaptionResponse:
+        c = out.outputs[0]
+        return CaptionResponse(self.rid, self.created, self.model, c.text, c.finish_reason, usage_of(out))
+
+    def chunk(self, out: RequestOutput) -> bytes:
+        c = out.outputs[0]
+        return sse(CaptionChunk(self.rid, self.created, self.model, out.delta_text, c.finish_reason,
+                                usage_of(out) if out.finished else None))  # fmt: skip
+
+
+async def _events(
+    ctx: ServerContext, head: _Head, first: RequestOutput, gen: AsyncIterator[RequestOutput]
+) -> AsyncIterator[bytes]:
+    try:
+        yield head.chunk(first)
+        if not first.finished:
+            async for out in gen:
+                yield head.chunk(out)
+    except Exception as exc:  # the status line is gone already: report it in the stream
+        yield error_event(exc, ctx.settings.retry_after_seconds)
+    finally:
+        await gen.aclose()  # no-op when finished; aborts the request when the client left
+    yield DONE

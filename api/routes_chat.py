@@ -1,0 +1,175 @@
+"""`POST /v1/chat/completions`, OpenAI-compatible, images as `image_url` content parts."""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from litestar import Request, post
+from litestar.params import JSONBody
+from msgspec import UNSET
+
+from mm_engine.api.context import ServerContext, get_ctx
+from mm_engine.api.errors import APIError, client_errors
+from mm_engine.api.limits import check_image_count, check_stop, fit_max_tokens, sampling_params
+from mm_engine.api.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChunkChoice,
+    DeltaMessage,
+    ImagePart,
+)
+from mm_engine.api.routes_common import error_responses, require_content_type
+from mm_engine.api.schemas import usage_of
+from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
+from mm_engine.outputs import RequestOutput
+
+_IMAGE_INDEX = re.compile(r"^image (\d+)\b")
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    if body.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+async def _to_engine_messages(
+    ctx: ServerContext, messages: list[ChatMessage]
+) -> tuple[list[dict], list[str]]:
+    """Plain dicts for the chat template; remote images fetched (when allowed) into data: URLs.
+
+    Also returns where each image came from, so an image error can name its field."""
+    where = [
+        f"messages[{i}].content[{j}].image_url"
+        for i, m in enumerate(messages)
+        if not isinstance(m.content, str)
+        for j, part in enumerate(m.content)
+        if isinstance(part, ImagePart)
+    ]
+    check_image_count(len(where), ctx.settings, "messages")
+    out, k = [], 0
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        if isinstance(m.content, str):
+            out.append({"role": role, "content": m.content})
+            continue
+        parts = []
+        for part in m.content:
+            if not isinstance(part, ImagePart):
+                parts.append({"type": "text", "text": part.text})
+                continue
+            url = part.image_url.url
+            if url[:5].lower() != "data:":
+                with client_errors(where[k]):
+                    data = await ctx.fetcher.fetch(url)
+                url = "data:image/*;base64," + base64.b64encode(data).decode()
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            k += 1
+        out.append({"role": role, "content": parts})
+    return out, where
+
+
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    before_request=require_content_type("application/json"),
+    responses=error_responses(),
+    summary="Chat completion (OpenAI-compatible)",
+    description="With `stream=true` the answer is server-sent events of `chat.completion.chunk` "
+    "objects, then `data: [DONE]`. Extra fields: `priority` (lower first), `top_k`, `ignore_eos`.",
+    operation_id="createChatCompletion",
+    tags=["openai"],
+)
+async def create_chat_completion(
+    request: Request, data: JSONBody[ChatCompletionRequest]
+) -> ChatCompletionResponse:  # or a Stream of server-sent events
+    ctx = get_ctx(request)
+    arrival = time.time()
+    settings = ctx.settings
+    model = ctx.model_name(data.model)
+    _refuse_unsupported(data)
+    requested = data.max_completion_tokens or data.max_tokens
+    params = sampling_params(
+        temperature=data.temperature,
+        top_p=data.top_p,
+        top_k=data.top_k,
+        seed=data.seed,
+        stop=check_stop(data.stop, settings),
+        ignore_eos=data.ignore_eos,
+    )
+    ctx.llm.check_admission()
+    messages, where = await _to_engine_messages(ctx, data.messages)
+    try:
+        inputs = await ctx.llm.process_chat(messages)
+    except ValueError as exc:
+        match = _IMAGE_INDEX.match(str(exc))
+        k = int(match.group(1)) if match else -1
+        param = where[k] if 0 <= k < len(where) else "messages"
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+    param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
+    fit_max_tokens(params, requested, len(inputs.token_ids), ctx.llm.engine.max_model_len,
+                   settings, param, "messages")  # fmt: skip
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
+    head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage))
+    with client_errors(None):
+        if not data.stream:
+            return head.response(await ctx.run(request, last_output(gen)))
+        first = await ctx.run(request, anext(gen))
+    return sse_response(_events(ctx, head, first, gen))
+
+
+class _Head:
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool) -> None:
+        self.rid, self.created, self.model, self.include_usage = rid, created, model, include_usage
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        c = out.outputs[0]
+        choice = ChatChoice(0, AssistantMessage(c.text), c.finish_reason)
+        return ChatCompletionResponse(self.rid, self.created, self.model, [choice], usage_of(out))
+
+    def chunk(self, delta: DeltaMessage, finish_reason: str | None = None) -> bytes:
+        return sse(
+            ChatCompletionChunk(
+                self.rid, self.created, self.model, [ChunkChoice(0, delta, finish_reason)],
+                None if self.include_usage else UNSET,
+            )
+        )  # fmt: skip
+
+    def usage_chunk(self, out: RequestOutput) -> bytes:
+        return sse(ChatCompletionChunk(self.rid, self.created, self.model, [], usage_of(out)))
+
+
+async def _events(
+    ctx: ServerContext, head: _Head, first: RequestOutput, gen: AsyncIterator[RequestOutput]
+) -> AsyncIterator[bytes]:
+    try:
+        yield head.chunk(DeltaMessage(role="assistant", content=""))
+        out = first
+        while True:
+            if out.delta_text or out.finished:
+                reason = out.outputs[0].finish_reason if out.finished else None
+                yield head.chunk(DeltaMessage(content=out.delta_text or None), reason)
+            if out.finished:
+                break
+            out = await anext(gen)
+        if head.include_usage:
+            yield head.usage_chunk(out)
+    except Exception as exc:  # the status line is gone already: report it in the stream
+        yield error_event(exc, ctx.settings.retry_after_seconds)
+    finally:
+        await gen.aclose()  # no-op when finished; aborts the request when the client left
+    yield DONE

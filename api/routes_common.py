@@ -1,0 +1,39 @@
+"""Pieces every route uses: the content-type check and the documented error responses."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from litestar import Request
+from litestar.openapi.datastructures import ResponseSpec
+
+from mm_engine.api.errors import APIError
+from mm_engine.api.schemas import ErrorResponse
+
+_DESCRIPTIONS = {
+    400: "Invalid request (`param` names the field)",
+    404: "Unknown model",
+    413: "Body over the size limit",
+    415: "Wrong content type",
+    429: "Waiting queue full (see Retry-After)",
+    500: "Unexpected server error",
+    503: "Draining or engine not running (see Retry-After)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    return {
+        status: ResponseSpec(data_container=ErrorResponse, description=_DESCRIPTIONS[status])
+        for status in statuses or _DESCRIPTIONS
+    }
+
+
+def require_content_type(expected: str) -> Callable[[Request], Awaitable[None]]:
+    """A `before_request` hook: it runs before Litestar parses the body."""
+
+    async def check(request: Request) -> None:
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != expected:
+            raise APIError(415, f"Content-Type must be {expected}, got {media[:100] or 'none'!r}")
+
+    return check

@@ -1,0 +1,77 @@
+"""`GET /v1/models`, `GET /v1/models/{model}`, `GET /health`, `GET /metrics`."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from mm_engine.api.context import get_ctx
+from mm_engine.api.errors import APIError
+from mm_engine.api.routes_common import error_responses
+from mm_engine.api.schemas import HealthResponse, ModelCard, ModelList
+
+
+def _card(request: Request, name: str) -> ModelCard:
+    ctx = get_ctx(request)
+    return ModelCard(name, ctx.created, ctx.llm.engine.max_model_len)
+
+
+@get("/v1/models", summary="List the served models", operation_id="listModels", tags=["openai"])
+async def list_models(request: Request) -> ModelList:
+    return ModelList([_card(request, name) for name in get_ctx(request).settings.served_model_names])
+
+
+@get(
+    "/v1/models/{model:str}",
+    summary="Describe one served model",
+    operation_id="retrieveModel",
+    tags=["openai"],
+    responses=error_responses(404),
+)
+async def retrieve_model(request: Request, model: FromPath[str]) -> ModelCard:
+    if model not in get_ctx(request).settings.served_model_names:
+        raise APIError(
+            404, f"the model {model[:200]!r} does not exist", param="model", code="model_not_found"
+        )
+    return _card(request, model)
+
+
+@get(
+    "/health",
+    summary="Liveness of the engine loop",
+    description="200 while the engine loop makes progress; 503 when it is dead, stalled, draining, "
+    "or its last step failed.",
+    operation_id="health",
+    tags=["server"],
+    responses={503: ResponseSpec(data_container=HealthResponse, description="Not healthy")},
+)
+async def health(request: Request) -> Response[HealthResponse]:
+    ctx = get_ctx(request)
+    h = ctx.llm.health()
+    body = HealthResponse(
+        status=h.status,
+        engine_loop_alive=h.alive,
+        draining=h.draining,
+        seconds_since_progress=round(h.seconds_since_progress, 3),
+        faults_total=h.faults_total,
+        last_error=h.last_error,
+        num_unfinished_requests=h.num_unfinished,
+    )
+    if h.ok:
+        return Response(body, status_code=200)
+    headers = {"Retry-After": str(ctx.settings.retry_after_seconds)} if h.draining else None
+    return Response(body, status_code=503, headers=headers)
+
+
+@get(
+    "/metrics",
+    summary="Prometheus metrics",
+    operation_id="metrics",
+    tags=["server"],
+    media_type="text/plain",
+    include_in_schema=True,
+)
+async def metrics(request: Request) -> Response[bytes]:
+    return Response(get_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

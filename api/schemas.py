@@ -1,0 +1,108 @@
+"""Wire schemas shared by the routes, and the caption route's own (msgspec Structs throughout)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from litestar.datastructures import UploadFile
+from msgspec import Meta, Struct
+
+from mm_engine.outputs import RequestOutput
+
+# Bounds that keep values inside what the engine and torch accept (a seed must fit 64 bits).
+MaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1, description="lower is served first")]
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def usage_of(out: RequestOutput) -> Usage:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return Usage(p, c, p + c, PromptTokensDetails(out.num_cached_tokens))
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "mm-engine"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class HealthResponse(Struct):
+    status: str  # "ok", "draining", "stalled", "faulted" or "dead"
+    engine_loop_alive: bool
+    draining: bool
+    seconds_since_progress: float
+    faults_total: int
+    last_error: str | None
+    num_unfinished_requests: int
+
+
+class CaptionForm(Struct):
+    """`multipart/form-data` fields of `POST /v1/caption`; `image` may be repeated."""
+
+    image: list[UploadFile]
+    prompt: str | None = None
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 0.0  # captions are greedy unless asked otherwise
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stop: list[str] | None = None  # repeat the field for several stop strings
+    priority: Priority = 0
+    stream: bool = False
+
+
+class CaptionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    object: str = "caption"
+
+
+class CaptionChunk(Struct):
+    """One server-sent event of a streamed caption: `text` is the new text since the last one."""
+
+    id: str
+    created: int
+    model: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None  # on the last chunk only
+    object: str = "caption.chunk"
+
+
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,199 @@
+"""`mm-engine serve`: the Litestar app on uvicorn, with a draining shutdown.
+
+SIGTERM (or a first Ctrl-C) does not stop the server at once: new requests get 503 (and /health
+says "draining") while running ones get up to `--shutdown-timeout` seconds to finish; what is left
+is then aborted and the process exits 0. A second signal exits immediately.
+
+    mm-engine serve [MODEL] --host 127.0.0.1 --port 8000 [engine flags] [API flags]
+    python -m mm_engine.api.server [MODEL] ...        (the same, without the `mm-engine` wrapper)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from mm_engine.api.settings import ServerSettings
+
+logger = logging.getLogger("mm_engine.api")
+_D = ServerSettings()
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", nargs="?", default=None, help="checkpoint folder or Hub name (default: demo model)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on startup)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    g = p.add_argument_group("API")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use as `model` (default: the model folder's name)")  # fmt: skip
+    g.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts whose http(s) image URLs may be fetched ('*.example.com' for subdomains); "
+                   "default: none, only data: URLs and uploads")  # fmt: skip
+    g.add_argument("--media-fetch-timeout", type=float, default=_D.media_fetch_timeout)
+    g.add_argument("--media-max-redirects", type=int, default=_D.media_max_redirects)
+    g.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes)
+    g.add_argument("--max-images-per-request", type=int, default=_D.max_images_per_request)
+    g.add_argument("--max-image-pixels", type=int, default=_D.max_image_pixels,
+                   help="width x height, checked from the header before decoding")  # fmt: skip
+    g.add_argument("--min-image-side", type=int, default=_D.min_image_side)
+    g.add_argument("--max-image-bytes", type=int, default=_D.max_image_bytes)
+    g.add_argument("--allowed-image-formats", default=",".join(_D.allowed_image_formats).lower(),
+                   help="comma-separated Pillow formats, identified by content")  # fmt: skip
+    g.add_argument("--max-stop-strings", type=int, default=_D.max_stop_strings)
+    g.add_argument("--max-stop-length", type=int, default=_D.max_stop_length)
+    g.add_argument("--default-max-tokens", type=int, default=_D.default_max_tokens)
+    g.add_argument("--default-caption-prompt", default=_D.default_caption_prompt)
+    g.add_argument("--shutdown-timeout", type=float, default=_D.shutdown_timeout,
+                   help="seconds running requests get to finish after SIGTERM")  # fmt: skip
+    g.add_argument("--health-stall-timeout", type=float, default=_D.health_stall_timeout)
+    g.add_argument("--input-workers", type=int, default=_D.input_workers,
+                   help="threads that tokenize and decode images")  # fmt: skip
+
+
+def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add `serve` to the `mm-engine` command; `add_engine_args` adds the engine flags."""
+    p = subparsers.add_parser("serve", help="serve the HTTP API (multipart captioning, OpenAI chat)")
+    add_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run_server)
+
+
+def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
+    domains = [d for entry in args.allowed_media_domains for d in entry.split(",") if d.strip()]
+    return ServerSettings(
+        served_model_names=args.served_model_name or [model_name],
+        max_body_bytes=args.max_body_bytes,
+        max_images_per_request=args.max_images_per_request,
+        max_image_pixels=args.max_image_pixels,
+        min_image_side=args.min_image_side,
+        max_image_bytes=args.max_image_bytes,
+        allowed_image_formats=tuple(f.strip() for f in args.allowed_image_formats.split(",") if f.strip()),
+        max_stop_strings=args.max_stop_strings,
+        max_stop_length=args.max_stop_length,
+        default_max_tokens=args.default_max_tokens,
+        default_caption_prompt=args.default_caption_prompt,
+        allowed_media_domains=tuple(domains),
+        media_fetch_timeout=args.media_fetch_timeout,
+        media_max_redirects=args.media_max_redirects,
+        shutdown_timeout=args.shutdown_timeout,
+        health_stall_timeout=args.health_stall_timeout,
+        input_workers=args.input_workers,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, llm, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._drain_task: asyncio.Task | None = None  # kept referenced until it is done
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self._draining and self._loop is not None and not self.should_exit:
+            self._draining = True
+            logger.info("draining: new requests get 503; waiting up to %gs", self.shutdown_timeout)
+            self.llm.start_drain()  # at once, so no request slips in before the task runs
+            # A signal handler may interrupt the loop anywhere: hand over through the self-pipe.
+            self._loop.call_soon_threadsafe(self._start_drain)
+        else:
+            super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        await self.llm.drain(self.shutdown_timeout)
+        # Let the handlers of aborted requests send their answers before connections close.
+        for _ in range(40):
+            if not self.llm.num_unfinished:
+                break
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def _model_name(model: str | None) -> str:
+    if model is None:
+        return "mm-engine-demo"
+    # The folder's name only: the full path would tell clients about the server's disk.
+    return model.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or "model"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from mm_engine.api.app import create_app
+    from mm_engine.async_llm import AsyncLLM
+    from mm_engine.cli import engine_kwargs
+    from mm_engine.config import EngineConfig
+    from mm_engine.engine import LLMEngine
+
+    settings = settings_from_args(args, _model_name(args.model))
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    llm = AsyncLLM(
+        engine,
+        image_limits=settings.image_limits(),
+        input_workers=settings.input_workers,
+        stall_timeout=settings.health_stall_timeout,
+    )
+    app = create_app(llm, settings)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+    print(f"mm-engine: serving {settings.served_model_names[0]!r} on http://{host}:{port}", flush=True)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = DrainingServer(config, llm, settings.shutdown_timeout)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        asyncio.run(llm.shutdown())
+        sock.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mm_engine.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="mm-engine serve", description="Serve the HTTP API")
+    add_serve_args(parser)
+    add_engine_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_server(args)
+    except (ValueError, OSError) as exc:  # user mistakes: one clear line, no traceback
+        print(f"mm-engine serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Server settings: every limit the API enforces, with safe defaults (each is a `serve` flag)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from mm_engine.vision.image_io import ImageLimits
+
+MiB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=lambda: ["mm-engine"])
+    max_body_bytes: int = 20 * MiB  # whole request body (multipart or JSON with data: URLs)
+    max_images_per_request: int = 4
+    max_image_pixels: int = 4096 * 4096  # width x height, from the header, before decoding
+    min_image_side: int = 2
+    max_image_bytes: int = 10 * MiB  # one encoded image (upload part, data: URL payload or fetch)
+    allowed_image_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")  # identified by content
+    max_stop_strings: int = 4
+    max_stop_length: int = 64  # characters per stop string
+    default_max_tokens: int = 256  # when a request gives none (capped by what the context has left)
+    default_caption_prompt: str = "Describe the image."
+    allowed_media_domains: tuple[str, ...] = ()  # hosts whose http(s) image URLs may be fetched
+    media_fetch_timeout: float = 10.0  # seconds for one whole fetch, redirects included
+    media_max_redirects: int = 3
+    shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests get before being aborted
+    health_stall_timeout: float = 60.0  # busy with no loop progress this long: /health says 503
+    retry_after_seconds: int = 1  # Retry-After on 429 (queue full) and 503 (draining)
+    input_workers: int = 2  # threads that tokenize and decode images
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names needs at least one name")
+        for name in (
+            "max_body_bytes",
+            "max_images_per_request",
+            "max_image_pixels",
+            "min_image_side",
+            "max_image_bytes",
+            "max_stop_length",
+            "default_max_tokens",
+            "input_workers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stop_strings", "media_max_redirects", "retry_after_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        for name in ("media_fetch_timeout", "shutdown_timeout", "health_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        # Our cap replaces Pillow's bomb check (the header is checked before decoding), so it may
+        # only be stricter than Pillow's, never looser.
+        if Image.MAX_IMAGE_PIXELS and self.max_image_pixels > Image.MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"max_image_pixels must be at most Pillow's limit of {Image.MAX_IMAGE_PIXELS}, "
+                f"got {self.max_image_pixels}"
+            )
+        self.allowed_image_formats = tuple(f.upper() for f in self.allowed_image_formats)
+        Image.init()
+        unknown = [f for f in self.allowed_image_formats if f not in Image.OPEN]
+        if unknown or not self.allowed_image_formats:
+            raise ValueError(f"allowed_image_formats has unknown format(s): {', '.join(unknown) or 'none'}")
+        self.allowed_media_domains = tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains)
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(
+            max_pixels=self.max_image_pixels,
+            min_side=self.min_image_side,
+            max_bytes=self.max_image_bytes,
+            allowed_formats=frozenset(self.allowed_image_formats),
+        )
