@@ -15,7 +15,8 @@ from litestar.testing import TestClient
 from mm_engine import LLM, SamplingParams
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
-from mm_engine.async_llm import AsyncLLM, EngineDrainingError
+from mm_engine.async_llm import AsyncLLM
+from mm_engine.async_types import EngineDrainingError
 
 SETTINGS = ServerSettings(served_model_names=["tiny", "tiny-alias"], default_max_tokens=8)
 
