@@ -10,6 +10,7 @@ from mm_engine.config import EngineConfig
 from mm_engine.engine import LLMEngine
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import SamplingParams
+from mm_engine.sched.scheduler import QueueFullError
 
 
 class LLM:
@@ -52,21 +53,28 @@ class LLM:
         params = self._per_request(sampling_params or SamplingParams(), n, "sampling_params")
         prios = self._per_request(priority if priority is not None else 0, n, "priority")
         ids: list[str] = []
+        finals: dict[str, RequestOutput] = {}
+
+        def step() -> None:
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+
         try:
             for add, sp, pr in zip(adds, params, prios, strict=True):
-                ids.append(add(sp, priority=pr))
-        except BaseException:
-            for rid in ids:  # a bad prompt in the list: nothing of this call stays queued
-                self.engine.abort(rid)
-            raise
-        finals: dict[str, RequestOutput] = {}
-        try:
+                while True:
+                    try:
+                        ids.append(add(sp, priority=pr))
+                        break
+                    except QueueFullError:
+                        # Offline, a full waiting queue only means "not yet": run a step to make room.
+                        if not self.engine.has_unfinished():
+                            raise
+                        step()
             while len(finals) < n:
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
+                step()
         except BaseException:
-            for rid in ids:
+            for rid in ids:  # a bad prompt in the list, or Ctrl-C: nothing of this call stays queued
                 self.engine.abort(rid)
             raise
         return [finals[rid] for rid in ids]

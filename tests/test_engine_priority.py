@@ -132,9 +132,17 @@ def test_preemption_modes_do_not_change_outputs(clip_llama, mode):
     assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
 
 
-def test_queue_full_is_refused_clearly(clip_llama):
+def test_queue_full_is_refused_clearly_online_and_waited_out_offline(clip_llama):
     llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_waiting_requests=2)
+    engine = llm.engine
+    engine.add_request(text_prompt("a"), SamplingParams(max_tokens=2))
+    engine.add_request(text_prompt("b"), SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError, match="queue full"):
-        llm.generate([text_prompt("a"), text_prompt("b"), text_prompt("c")], SamplingParams(max_tokens=2))
-    assert not llm.engine.scheduler.waiting and not llm.engine.requests
-    assert len(llm.generate([text_prompt("a"), text_prompt("b")], SamplingParams(max_tokens=2))) == 2
+        engine.add_request(text_prompt("c"), SamplingParams(max_tokens=2))
+    assert len(engine.requests) == 2  # the refused one left nothing behind
+    while engine.has_unfinished():
+        engine.step()
+    # LLM.generate is offline: more prompts than the queue holds just wait their turn.
+    outs = llm.generate([text_prompt(w) for w in "abcdefg"], SamplingParams(temperature=0, max_tokens=2))
+    assert len(outs) == 7 and all(o.finished for o in outs)
+    assert not engine.requests and llm.kv_report()["text"]["used_blocks"] == 0
