@@ -2,7 +2,9 @@
 
 A scene holds 1 to 3 non-overlapping shapes (circle, square, triangle) in red, green, blue or
 yellow on a white or light-grey background, on an image of random size and aspect ratio. Each
-shape's size is 15% to 50% of the image's shorter side. The targets use exactly those words:
+shape's size is 15% to 50% of the image's longer side (and at most its shorter side): the model
+squeezes every image to a square, and this keeps the smallest shape over a patch wide there. The
+targets use exactly those words:
 
     caption   "a red circle, a green triangle and a blue square."   (left to right)
     count     "How many shapes are there?"     -> "three."
@@ -32,7 +34,7 @@ NUMBERS = ("zero", "one", "two", "three")
 
 MIN_SIDE, MAX_SIDE = 64, 256  # image sides in pixels
 MAX_ASPECT = 1.5  # longer side / shorter side
-MIN_SIZE, MAX_SIZE = 0.15, 0.5  # shape size as a fraction of the shorter side
+MIN_SIZE, MAX_SIZE = 0.15, 0.5  # shape size as a fraction of the longer side
 MIN_DX = 0.1  # centres at least this fraction of the width apart
 COLOUR_JITTER = 12  # per channel, so the model learns colour names rather than exact values
 
@@ -85,11 +87,10 @@ def random_image_size(rng: random.Random) -> tuple[int, int]:
 
 def _place(rng: random.Random, n: int, w: int, h: int) -> list[tuple[int, int, int, int]] | None:
     """n square boxes that do not overlap (2 px apart) and whose centres are MIN_DX*w apart."""
-    short = min(w, h)
     boxes: list[tuple[int, int, int, int]] = []
     for _ in range(n):
         for _attempt in range(50):
-            s = round(rng.uniform(MIN_SIZE, MAX_SIZE) * short)
+            s = min(round(rng.uniform(MIN_SIZE, MAX_SIZE) * max(w, h)), min(w, h))
             x0, y0 = rng.randint(0, w - s), rng.randint(0, h - s)
             box = (x0, y0, x0 + s - 1, y0 + s - 1)
             cx = x0 + (s - 1) / 2
@@ -125,6 +126,13 @@ def random_scene(rng: random.Random, n_shapes: int | None = None) -> Scene:
         rgb = tuple(min(255, max(0, v + j)) for v, j in zip(COLOURS[shape.colour], jitter, strict=True))
         draw_shape(draw, shape, rgb)
     return Scene(image, tuple(shapes))
+
+
+def held_out_scenes(n: int, seed: int = 0) -> list[Scene]:
+    """Evaluation scenes, a third with each number of shapes, from a seed stream ("held-out-N")
+    that training never draws from."""
+    rng = random.Random(f"held-out-{seed}")
+    return [random_scene(rng, n_shapes=i % 3 + 1) for i in range(n)]
 
 
 def caption(shapes: tuple[Shape, ...] | Scene) -> str:
