@@ -2,10 +2,11 @@
 
     python -m bench.priority [--requests 160] [--rate 40] [--out bench/results/priority.json]
 
-The trace: Poisson arrivals, 60% image requests (a captioning question about a picture) and 40%
+The trace: Poisson arrivals at 1.2 times the request rate the engine sustains on this machine
+(measured first, so that a queue forms but stays bounded), 60% image requests (a captioning question about a picture) and 40%
 text-only, output lengths from a seeded long-tail distribution. The same trace runs through two
-engines on the same random-weight checkpoint; arrivals are replayed on the wall clock, faster
-than the engine can serve them, so that the policy decides who waits. Printed: time to first token
+engines on the same random-weight checkpoint; arrivals are replayed on the wall clock, so the
+policy decides who waits. Printed: time to first token
 p50/p99 per modality, the longest wait of any text request, and throughput.
 """
 
@@ -89,6 +90,15 @@ def replay(llm: LLM, trace: list[dict]) -> dict:
     return stats
 
 
+def _capacity(llm: LLM, seed: int) -> float:
+    """Requests per second the engine completes on this trace's mix, all submitted at once."""
+    items = make_trace(48, 1000.0, seed + 1)
+    params = [SamplingParams(temperature=0, max_tokens=i["max_tokens"], ignore_eos=True) for i in items]
+    start = time.time()
+    llm.generate([i["prompt"] for i in items], params)
+    return len(items) / (time.time() - start)
+
+
 def _mean(runs: list[dict]) -> dict:
     out: dict = {}
     for key, value in runs[0].items():
@@ -102,7 +112,10 @@ def _mean(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=160)
-    ap.add_argument("--rate", type=float, default=12.0, help="arrivals per second")
+    ap.add_argument(
+        "--rate", type=float, default=None, help="arrivals per second (default: --load x capacity)"
+    )
+    ap.add_argument("--load", type=float, default=1.2, help="arrival rate as a multiple of measured capacity")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-wait-s", type=float, default=2.0)
@@ -122,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             for policy in ("fcfs", "priority")
         }
-        trace = make_trace(args.requests, args.rate, args.seed)
+        rate = args.rate or args.load * _capacity(engines["fcfs"], args.seed)
+        print(f"arrival rate {rate:.1f} requests/s")
+        trace = make_trace(args.requests, rate, args.seed)
         runs: dict[str, list[dict]] = {"fcfs": [], "priority": []}
         # A B B A: on a shared machine the load drifts; alternating cancels a linear drift.
         for policy in ("fcfs", "priority", "priority", "fcfs"):
