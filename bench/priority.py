@@ -1,13 +1,13 @@
 """Replay one arrival trace through the engine under `fcfs` and `priority`, side by side.
 
-    python -m bench.priority [--requests 160] [--rate 40] [--out bench/results/priority.json]
+    python -m bench.priority [--requests 160] [--load 1.2] [--out bench/results/priority.json]
 
 The trace: Poisson arrivals at 1.2 times the request rate the engine sustains on this machine
-(measured first, so that a queue forms but stays bounded), 60% image requests (a captioning question about a picture) and 40%
-text-only, output lengths from a seeded long-tail distribution. The same trace runs through two
-engines on the same random-weight checkpoint; arrivals are replayed on the wall clock, so the
-policy decides who waits. Printed: time to first token
-p50/p99 per modality, the longest wait of any text request, and throughput.
+(measured first, so that a queue forms), 60% image requests (a captioning question about a
+picture) and 40% text-only, output lengths from a seeded long-tail distribution. The same trace
+runs through two engines on the same random-weight checkpoint, arrivals replayed on the wall
+clock, so the policy decides who waits. Printed: time to first token p50/p99 per modality, the
+longest wait of any text request, and throughput.
 """
 
 from __future__ import annotations
