@@ -260,18 +260,20 @@ class TextBatcher:
 
 
 def scene_questions(scene: scenes.Scene, rng: random.Random) -> list[tuple[str, str]]:
-    """Caption, count, "no" to a shape of a colour that is there (the hard case), the colour of each
-    kind that is there once, "yes" for up to two shapes, and "no" to a kind that is there.
+    """Caption, count, a hard "no", the colour of each kind that is there once, "yes" for up to two
+    shapes, and "no" to a shape of a colour or kind that is there.
 
-    The near misses make the model look up both words: with random absent pairs it learns to say
-    "yes" whenever the colour is there and never learns to look shapes up by kind."""
+    The hard "no" asks for a colour and a kind that are both there, on different shapes ("a red
+    circle?" of a red square and a blue circle) whenever the scene allows: with easier ones the
+    model gets by with "yes if the colour and the kind are there" and never binds the two."""
     shapes = scene.shapes
     present = [(s.colour, s.kind) for s in shapes]
     absent = [(c, k) for c in scenes.COLOURS for k in scenes.SHAPES if (c, k) not in present]
-    same_colour = [(c, k) for c, k in absent if c in {s.colour for s in shapes}] or absent
-    same_kind = [(c, k) for c, k in absent if k in {s.kind for s in shapes}] or absent
+    colours, kinds = {s.colour for s in shapes}, {s.kind for s in shapes}
+    both = [(c, k) for c, k in absent if c in colours and k in kinds]
+    near = [(c, k) for c, k in absent if c in colours or k in kinds]
+    no = [rng.choice(both or near), rng.choice(near or absent)]
     yes = rng.sample(present, min(2, len(present)))
-    no = [rng.choice(same_colour), rng.choice(same_kind)]
     return [
         (scenes.CAPTION_PROMPT, scenes.caption(scene)),
         (scenes.COUNT_QUESTION, scenes.count_answer(shapes)),
@@ -305,7 +307,7 @@ def exact_match(model, batcher: TextBatcher, pixels: torch.Tensor, rows) -> list
     return [1 - ((wrong & (segment == j + 1)).any(1)).float().mean().item() for j in range(len(rows[0]))]
 
 
-PROBES = ("caption", "count", "no-colour", "yes")  # the first, second, third and last but one
+PROBES = ("caption", "count", "hard-no", "yes")  # the first, second, third and last but one
 
 
 def train_text(model, batcher, rng: random.Random, steps: int, batch: int, lr: float, heads=None) -> None:
@@ -325,8 +327,14 @@ def train_text(model, batcher, rng: random.Random, steps: int, batch: int, lr: f
         with torch.set_grad_enabled(heads is not None):
             feats = tower_features(model, pixels)
         rows = [scene_questions(s, rng) for s in batch_scenes]
-        logits, targets, _ = text_logits(model, feats, batcher.encode(rows))
-        loss = F.cross_entropy(logits, targets)
+        encoded = batcher.encode(rows)
+        logits, targets, keep = text_logits(model, feats, encoded)
+        # A token of a long answer weighs 1/sqrt(answer length): else the caption, a third of all
+        # answer tokens, drowns the one-token decisions of the questions.
+        branch = encoded[3] + 100 * torch.arange(len(rows))[:, None]
+        _, inverse, counts = torch.unique(branch[keep], return_inverse=True, return_counts=True)
+        weights = counts[inverse].float().rsqrt()
+        loss = (F.cross_entropy(logits, targets, reduction="none") * weights).sum() / weights.sum()
         if heads is not None:
             loss = loss + tower_loss(heads, feats, batch_scenes)[0]
         opt.zero_grad(set_to_none=True)
