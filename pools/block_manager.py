@@ -155,11 +155,15 @@ class BlockManager:
     # ---- reports -------------------------------------------------------------------------------
 
     def report(self, requests: list[Any]) -> dict[str, dict[str, Any]]:
-        filled = {TEXT: 0, IMAGE: 0}
+        # A block shared by several requests (a reused prefix) holds its slots once: count it once.
+        fill: dict[int, int] = {}
         for req in requests:
             for i, block in enumerate(req.block_table):
                 n = min(self.block_size, max(0, req.num_computed_tokens - i * self.block_size))
-                filled[IMAGE if block in self.pools[IMAGE] else TEXT] += n
+                fill[block] = max(fill.get(block, 0), n)
+        filled = {TEXT: 0, IMAGE: 0}
+        for block, n in fill.items():
+            filled[IMAGE if block in self.pools[IMAGE] else TEXT] += n
         out = {}
         for name, pool in self.pools.items():
             allocated = pool.num_used * self.block_size

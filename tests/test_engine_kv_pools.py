@@ -108,3 +108,23 @@ def test_request_that_can_never_fit_is_refused(clip_llama):
     # The engine still serves what fits.
     out = llm.generate("USER: what ASSISTANT:", SamplingParams(max_tokens=3, temperature=0))
     assert out[0].finished
+
+
+def test_kv_report_counts_a_shared_prefix_block_once(clip_llama):
+    llm = LLM(clip_llama, kv_cache_memory_bytes=8 * 1024**2, block_size=8)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request(_image_prompt(1, "describe"), params)
+    engine.step()
+    engine.add_request(_image_prompt(1, "describe the"), params)  # same image: reuses its blocks
+    engine.step()
+    a, b = engine.scheduler.running
+    shared = set(a.block_table) & set(b.block_table)
+    assert shared, "the second request reused the first one's prefix blocks"
+    report = llm.kv_report()
+    filled = report[TEXT]["filled_slots"] + report[IMAGE]["filled_slots"]
+    held = len(set(a.block_table) | set(b.block_table))
+    assert filled == a.num_computed_tokens + b.num_computed_tokens - 8 * len(shared)
+    assert report[TEXT]["used_blocks"] + report[IMAGE]["used_blocks"] == held
+    for pool in (TEXT, IMAGE):
+        assert report[pool]["filled_slots"] <= report[pool]["allocated_slots"]
