@@ -84,12 +84,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """Word level over WORDS; with `vocab_size`, filler words `w<N>` pad the vocabulary to that
+    size, so that a benchmark model's embedding and LM head have a real model's shape."""
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     corpus = [" ".join(WORDS)] * 4 + [w.upper() + ":" for w in ("user", "assistant")]
     trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<s>", "</s>", "<image>"])
     tok.train_from_iterator(corpus, trainer=trainer)
+    if vocab_size is not None and vocab_size > tok.get_vocab_size():
+        tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -110,33 +114,27 @@ def build_checkpoint(
     seed: int = 0,
     select_strategy: str = "default",
     feature_layer: int | list[int] = -2,
+    vision_dims: dict | None = None,
+    text_dims: dict | None = None,
+    vocab_size: int | None = None,
+    weight_scale: float = 4.0,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
+    """A random LLaVA checkpoint; tiny by default. `vision_dims` / `text_dims` override the towers'
+    sizes (hidden_size, intermediate_size, num_hidden_layers, heads, ...) for benchmark models."""
     path = Path(path)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vocab_size)
     vocab = len(tokenizer)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    vdims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2)
+    vdims.update(vision_dims or {})
     if vision == "clip":
-        vcfg = CLIPVisionConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            image_size=image_size,
-            patch_size=patch_size,
-            projection_dim=64,
-        )
+        vcfg = CLIPVisionConfig(image_size=image_size, patch_size=patch_size, projection_dim=64, **vdims)
         improc = CLIPImageProcessor(
             size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
         )
     else:
-        vcfg = SiglipVisionConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            image_size=image_size,
-            patch_size=patch_size,
-        )
+        vcfg = SiglipVisionConfig(image_size=image_size, patch_size=patch_size, **vdims)
         improc = SiglipImageProcessor(size={"height": image_size, "width": image_size})
     common = dict(
         vocab_size=vocab,
@@ -149,9 +147,13 @@ def build_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
     )
     if text == "llama":
-        tcfg = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False, **common)
+        common.update(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+        common.update(text_dims or {})
+        tcfg = LlamaConfig(**common)
     else:
-        tcfg = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, **common)
+        common.update(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+        common.update(text_dims or {})
+        tcfg = Qwen2Config(**common)
     cfg = LlavaConfig(
         vision_config=vcfg,
         text_config=tcfg,
@@ -165,8 +167,8 @@ def build_checkpoint(
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.mul_(4.0)
-    model.save_pretrained(path)
+                p.mul_(weight_scale)
+    model.to(dtype).save_pretrained(path)
     processor = LlavaProcessor(
         image_processor=improc,
         tokenizer=tokenizer,
