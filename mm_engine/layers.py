@@ -45,12 +45,19 @@ class Rotary(nn.Module):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[tokens, 1, head_dim]` for these positions, computed once per forward pass
+        and shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scaling)[:, None, :].to(q.dtype)
-        sin = (emb.sin() * self.scaling)[:, None, :].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return (emb.cos() * self.scaling)[:, None, :].to(dtype), (emb.sin() * self.scaling)[:, None, :].to(
+            dtype
+        )
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,15 +79,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["v_proj"])
         self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias["o_proj"])
         self.scale = head_dim**-0.5
+        self.qkv_proj: nn.Linear | None = None
 
-    def forward(
-        self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend
-    ):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
+    def fuse(self) -> None:
+        """One matmul for q, k and v instead of three (after loading, which uses the HF names):
+        fewer, larger GEMMs, and the input is read once."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_proj = _concat_linears(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t, hd = x.shape[0], self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(
+                [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1
+            )
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = apply_rotary(q.view(t, self.num_heads, hd), k.view(t, self.num_kv_heads, hd), rope)
+        v = v.reshape(t, self.num_kv_heads, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -93,9 +110,34 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
+
+
+def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side (a missing bias is zero)."""
+    w = parts[0].weight
+    fused = nn.Linear(
+        w.shape[1], sum(p.out_features for p in parts), bias=any(p.bias is not None for p in parts)
+    )
+    fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(
+                torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features) for p in parts])
+            )
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -106,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta, backend)
+    def forward(self, x, rope, k_cache, v_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,9 +174,16 @@ class DecoderLM(nn.Module):
 
     def forward(self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend):
         x = embeds
+        rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_k[i], kv_v[i], meta, backend)
+            x = layer(x, rope, kv_k[i], kv_v[i], meta, backend)
         return self.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Call once the checkpoint is loaded: q/k/v and gate/up become single matmuls."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -123,6 +123,7 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         lm = DecoderLM(config.text_config, bias, tie_embeddings=tie)
     _load(lm, lm_state, "language model")
+    lm.fuse_projections()
     tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
     _load(tower, vision_state, "vision tower")
     with torch.device(device), _default_dtype(dtype):
