@@ -68,7 +68,11 @@ async def create_caption(
         raise APIError(400, "at least one 'image' file part is required", param="image")
     check_image_count(len(images), settings, "image")
     params = sampling_params(
-        temperature=data.temperature, top_p=data.top_p, seed=data.seed, stop=check_stop(data.stop, settings)
+        temperature=data.temperature,
+        top_p=data.top_p,
+        seed=data.seed,
+        stop=check_stop(data.stop, settings),
+        ignore_eos=data.ignore_eos,
     )
     ctx.llm.check_admission()
     prompt = settings.default_caption_prompt if data.prompt is None else data.prompt

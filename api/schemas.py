@@ -81,6 +81,7 @@ class CaptionForm(Struct):
     stop: list[str] | None = None  # repeat the field for several stop strings
     priority: Priority = 0
     stream: bool = False
+    ignore_eos: bool = False  # as in the chat API: run to max_tokens (benchmarks)
 
 
 class CaptionResponse(Struct):

@@ -154,6 +154,17 @@ def test_priority_reaches_the_engine(client, llm, monkeypatch):
     assert seen == [-5, 7]
 
 
+
+def test_caption_ignore_eos_reaches_the_engine(client, llm, monkeypatch):
+    seen = []
+    add = llm.engine.add_processed
+    monkeypatch.setattr(llm.engine, "add_processed", lambda *a, **k: (seen.append(a[3]), add(*a, **k))[1])
+    for flag in ("true", "false"):
+        data = {"max_tokens": "3", "ignore_eos": flag}
+        r = client.post("/v1/caption", files=[("image", ("a", image_bytes(1)))], data=data)
+        assert r.status_code == 200, r.text
+    assert [p.ignore_eos for p in seen] == [True, False]
+
 def test_models_health_metrics_openapi(client):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
     assert client.get("/v1/models/tiny").json()["max_model_len"] == ENGINE_KW["max_model_len"]
