@@ -23,9 +23,16 @@ from PIL import Image
 from mm_engine import scenes
 from mm_engine.testing import build_checkpoint
 
-NAME = "smolvlm-like-v1"  # bump when the dimensions change, so an old cache is not reused
+NAME = "smolvlm-like-v2"  # bump when the dimensions change, so an old cache is not reused
 IMAGE_SIZE, PATCH = 224, 16
-VISION_DIMS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+# No attention-pooling head: LLaVA reads the patch tokens only (real LLaVA SigLIP towers drop it too).
+VISION_DIMS = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    vision_use_head=False,
+)
 TEXT_DIMS = dict(
     hidden_size=576,
     intermediate_size=1536,

@@ -56,6 +56,10 @@ class LlavaModel(nn.Module):
         self.layers = feature_layers(config)
         self.vision_tower = vision_tower
         self.vision_tower.encoder.layers = self.vision_tower.encoder.layers[: max(self.layers)]
+        for module in self.vision_tower.modules():
+            if getattr(module, "use_head", False):
+                # SigLIP's attention-pooling head makes a pooled vector that LLaVA never reads.
+                module.use_head = False
         in_dim = config.vision_config.hidden_size * len(self.layers)
         self.multi_modal_projector = Projector(
             in_dim, config.text_config.hidden_size, config.projector_hidden_act, projector_bias

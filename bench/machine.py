@@ -1,0 +1,126 @@
+"""What this machine can do, measured by the benchmark itself, and what a LLaVA job needs of it.
+
+The figures of merit of bench.offline and bench.roofline are fractions of a floor: the FLOPs (or
+bytes) a job needs divided by the machine's measured fp32 matmul rate (or memory bandwidth). The
+rates are measured here, in the same run and with the same thread count as the benchmark, so the
+fraction holds on a noisy machine as well as it can. FLOPs count the matmuls (and attention's
+two products) a forward pass must do; norms, activations and softmax are not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mm_engine.model import feature_layers, tokens_per_image
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: first-call allocations, thread pool start
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_flops_per_s(sizes: tuple[int, ...] = (1024, 2048, 3072), reps: int = 3) -> float:
+    """The best fp32 GEMM rate over a few square sizes: the machine's practical compute peak."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        best = max(best, 2 * n**3 / _best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps))
+    return best
+
+
+def memory_bytes_per_s(mib: int = 512, reps: int = 5) -> float:
+    """Read bandwidth: summing a tensor far larger than the caches, as decode streams the weights."""
+    x = torch.ones(mib * 1024**2 // 4)
+    return x.numel() * 4 / _best_seconds(lambda: x.sum(), reps)
+
+
+def machine_info() -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass(frozen=True)
+class LlavaFlops:
+    """FLOP counts of one LLaVA model, from its Hugging Face config."""
+
+    vision_per_image: float
+    lm_linear_per_token: float  # every projection and MLP of every layer, for one token
+    lm_attn_per_key: float  # attention's two products, per (query token, key) pair, all layers
+    lm_head_per_token: float
+    kv_bytes_per_token: int  # K and V of all layers, float32
+    lm_weight_bytes: int  # decoder layers and the head, float32
+
+    @classmethod
+    def from_config(cls, cfg) -> LlavaFlops:
+        vc, tc = cfg.vision_config, cfg.text_config
+        t = (vc.image_size // vc.patch_size) ** 2 + (1 if vc.model_type == "clip_vision_model" else 0)
+        h, i = vc.hidden_size, vc.intermediate_size
+        layer = 2 * t * (4 * h * h + 2 * h * i) + 4 * t * t * h
+        patch = 2 * (t - (vc.model_type == "clip_vision_model")) * 3 * vc.patch_size**2 * h
+        th, read = tc.hidden_size, feature_layers(cfg)
+        # Only the layers up to the deepest one LLaVA reads need to run; the projector sees the
+        # image tokens the LM gets (CLIP's class token dropped under the "default" strategy).
+        projector = 2 * tokens_per_image(cfg) * (h * len(read) * th + th * th)
+        vision = patch + max(read) * layer + projector
+        hd = getattr(tc, "head_dim", None) or th // tc.num_attention_heads
+        q, kv = tc.num_attention_heads * hd, tc.num_key_value_heads * hd
+        per_layer = th * q + 2 * th * kv + q * th + 3 * th * tc.intermediate_size
+        n = tc.num_hidden_layers
+        return cls(
+            vision_per_image=float(vision),
+            lm_linear_per_token=float(2 * n * per_layer),
+            lm_attn_per_key=float(4 * n * q),
+            lm_head_per_token=float(2 * th * tc.vocab_size),
+            kv_bytes_per_token=2 * n * kv * 4,
+            lm_weight_bytes=4 * (n * per_layer + th * tc.vocab_size),
+        )
+
+    def tokens(self, first: int, count: int) -> float:
+        """FLOPs to run tokens at positions first .. first+count-1 through the decoder (no head):
+        the token at position p attends to p + 1 keys."""
+        keys = count * first + count * (count + 1) / 2
+        return count * self.lm_linear_per_token + keys * self.lm_attn_per_key
+
+    def request(self, prompt_len: int, output_len: int, cached: int = 0, images: int = 1) -> float:
+        """The least work for one request: its images, its prompt beyond `cached` reused tokens,
+        the head once per output token, and a forward for every output token but the last."""
+        return (
+            images * self.vision_per_image
+            + self.tokens(cached, prompt_len - cached)
+            + self.tokens(prompt_len, max(0, output_len - 1))
+            + output_len * self.lm_head_per_token
+        )
+
+    def decode_step(self, batch: int, context: int) -> tuple[float, float]:
+        """(FLOPs, bytes) of one decode step of `batch` sequences each with `context` cached
+        tokens: the weights are read once, each sequence's KV once."""
+        flops = batch * (self.tokens(context, 1) + self.lm_head_per_token)
+        return flops, self.lm_weight_bytes + batch * (context + 1) * self.kv_bytes_per_token

@@ -1,0 +1,198 @@
+"""Offline throughput, side by side: mm-engine against transformers on the same model and inputs.
+
+    python -m bench.offline --workload caption|chat [--num-images 64] [--json PATH] [--profile]
+
+Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, long-tailed):
+  caption  one captioning prompt per image; outputs mean ~30 tokens, at most 64.
+  chat     four questions per image; outputs mean ~100 tokens, at most 384.
+
+transformers runs `LlavaForConditionalGeneration.generate`, greedy, batched with left padding, at
+the batch size that gave it the best throughput in a small sweep run first (one batch per
+candidate). Both sides run in fresh processes, one after the other, with the same thread count.
+
+Figures: images/s and output tokens/s of both and their ratio, peak RSS of both, and the fraction
+of the compute floor: the FLOPs the job needs (bench.machine; for chat the image and the shared
+prompt prefix count once per image, since that is all the work the job requires) divided by wall
+time x this machine's fp32 matmul rate, measured in the same run. A sample of requests is checked
+to produce the same greedy tokens on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from bench import vlm
+from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s
+from bench.offline_runs import Job, engine_run, hf_run, run_in_child
+
+HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (8, 16, 32)}
+
+
+def workload_requests(workload: str, num_images: int, seed: int) -> list[tuple[int, str, int]]:
+    """(image index, prompt, output tokens) in submission order."""
+    if workload == "caption":
+        lengths = vlm.output_lengths(num_images, "caption", seed)
+        return [(i, vlm.CAPTION_PROMPT, n) for i, n in enumerate(lengths)]
+    lengths = vlm.output_lengths(4 * num_images, "chat", seed)
+    return [
+        (i, vlm.chat_prompt(q), lengths[4 * i + k])
+        for i in range(num_images)
+        for k, q in enumerate(vlm.CHAT_QUESTIONS)
+    ]
+
+
+def floor_flops(flops: LlavaFlops, requests, prompt_ids: list[list[int]]) -> float:
+    """The least work for the job: each image encoded once, each image's shared prompt prefix
+    prefilled once, then every request's own tokens."""
+    total = 0.0
+    first_of: dict[int, list[int]] = {}
+    for (image, _, n_out), ids in zip(requests, prompt_ids, strict=True):
+        if image not in first_of:
+            first_of[image] = ids
+            total += flops.request(len(ids), n_out)
+        else:
+            shared = _common_prefix(first_of[image], ids)
+            total += flops.request(len(ids), n_out, cached=min(shared, len(ids) - 1), images=0)
+    return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def sweep_hf(job: Job, workload: str) -> tuple[int, dict[int, float]]:
+    """One batch per candidate size, on the first requests of the workload; best images/s wins."""
+    rates = {}
+    for bs in HF_SWEEP[workload]:
+        per_batch = bs if workload == "caption" else max(1, bs // 4)  # chat: 4 requests per image
+        if per_batch > job.num_images:
+            break
+        sub = [r for r in job.requests if r[0] < per_batch][:bs]
+        res = run_in_child(hf_run, Job(**{**job.__dict__, "requests": sub, "hf_batch_size": bs}))
+        rates[bs] = per_batch / res["seconds"]
+        print(f"  transformers sweep: batch {bs:3d} -> {rates[bs]:.2f} images/s", flush=True)
+    return max(rates, key=rates.get), rates
+
+
+def compare(engine_tokens, hf_tokens, sample: int) -> tuple[int, int]:
+    """(identical, compared) over an evenly spread sample of requests."""
+    idx = sorted({round(k * (len(engine_tokens) - 1) / max(1, sample - 1)) for k in range(sample)})
+    return sum(engine_tokens[i] == hf_tokens[i] for i in idx), len(idx)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["caption", "chat"], default="caption")
+    ap.add_argument("--num-images", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--hf-batch-size", type=int, default=None, help="skip the sweep and use this size")
+    ap.add_argument("--check", type=int, default=8, help="requests whose tokens are compared")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
+    ap.add_argument("--profile", action="store_true", help="time the engine's phases (scheduling, ...)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--model", default=None, help="a LLaVA checkpoint (default: bench.vlm's, built once)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    model = args.model or str(vlm.bench_model_path())
+    requests = workload_requests(args.workload, args.num_images, args.seed)
+    engine_args = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+    }
+    job = Job(model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile)
+    started = time.perf_counter()
+    peak = matmul_flops_per_s()
+    print(f"fp32 matmul rate: {peak / 1e9:.1f} GFLOP/s ({args.threads} threads)", flush=True)
+    ours = run_in_child(engine_run, job)
+    print(f"  mm-engine: {ours['seconds']:.1f} s", flush=True)
+    if args.hf_batch_size is None:
+        best, sweep = sweep_hf(job, args.workload)
+    else:
+        best, sweep = args.hf_batch_size, {}
+    hf = run_in_child(hf_run, Job(**{**job.__dict__, "hf_batch_size": best, "profile": False}))
+    print(f"  transformers (batch {best}): {hf['seconds']:.1f} s", flush=True)
+    same, compared = compare(ours["tokens"], hf["tokens"], args.check)
+    flops = LlavaFlops.from_config(AutoConfig.from_pretrained(model))
+    floor = floor_flops(flops, requests, ours["prompt_ids"])
+    out_tokens = sum(n for _, _, n in requests)
+    result = {
+        "workload": args.workload,
+        "num_images": args.num_images,
+        "num_requests": len(requests),
+        "output_tokens": out_tokens,
+        "engine_images_per_s": args.num_images / ours["seconds"],
+        "hf_images_per_s": args.num_images / hf["seconds"],
+        "engine_output_tokens_per_s": out_tokens / ours["seconds"],
+        "hf_output_tokens_per_s": out_tokens / hf["seconds"],
+        "throughput_ratio": hf["seconds"] / ours["seconds"],
+        "compute_floor_fraction": floor / (ours["seconds"] * peak),
+        "hf_compute_floor_fraction": floor / (hf["seconds"] * peak),
+        "floor_tflops": floor / 1e12,
+        "matmul_gflops_per_s": peak / 1e9,
+        "engine_peak_rss_mib": ours["peak_rss_mib"],
+        "hf_peak_rss_mib": hf["peak_rss_mib"],
+        "engine_seconds": ours["seconds"],
+        "hf_seconds": hf["seconds"],
+        "hf_batch_size": best,
+        "hf_sweep_images_per_s": sweep,
+        "engine_cached_prompt_tokens": ours["cached_tokens"],
+        "engine_encoded_images": ours["encoded_images"],
+        "tokens_identical": f"{same}/{compared}",
+        "engine_args": engine_args,
+        "machine": machine_info(),
+        "wall_s": time.perf_counter() - started,
+    }
+    if "profile" in ours:
+        result["profile_shares"] = {k: v / ours["seconds"] for k, v in ours["profile"].items()}
+    print_table(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if same != compared:
+        raise SystemExit(f"token mismatch: only {same}/{compared} sampled requests are identical")
+    return result
+
+
+def print_table(r: dict) -> None:
+    print(
+        f"\n### bench.offline `{r['workload']}`: {r['num_images']} images, {r['num_requests']} requests, "
+        f"{r['output_tokens']} output tokens ({r['machine']['date']}, {r['machine']['cpu']}, "
+        f"{r['machine']['torch_threads']} threads, fp32 matmul {r['matmul_gflops_per_s']:.0f} GFLOP/s)\n"
+    )
+    print("| | images/s | output tokens/s | compute-floor fraction | peak RSS (MiB) |")
+    print("|---|---:|---:|---:|---:|")
+    print(
+        f"| mm-engine | {r['engine_images_per_s']:.2f} | {r['engine_output_tokens_per_s']:.1f} | "
+        f"{r['compute_floor_fraction']:.1%} | {r['engine_peak_rss_mib']:.0f} |"
+    )
+    print(
+        f"| transformers (batch {r['hf_batch_size']}) | {r['hf_images_per_s']:.2f} | "
+        f"{r['hf_output_tokens_per_s']:.1f} | {r['hf_compute_floor_fraction']:.1%} | "
+        f"{r['hf_peak_rss_mib']:.0f} |"
+    )
+    print(f"| ratio | {r['throughput_ratio']:.2f}x | {r['throughput_ratio']:.2f}x | | |")
+    print(f"\ntokens identical on sampled requests: {r['tokens_identical']}")
+    if "profile_shares" in r:
+        shares = ", ".join(
+            f"{k} {v:.1%}" for k, v in sorted(r["profile_shares"].items(), key=lambda kv: -kv[1])
+        )
+        print(f"mm-engine time shares: {shares}")
+
+
+if __name__ == "__main__":
+    main()

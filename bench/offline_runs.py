@@ -1,0 +1,157 @@
+"""The two contestants of bench.offline, each run in a fresh process so that its peak memory is its
+own: mm-engine's `LLM.generate` and transformers' `LlavaForConditionalGeneration.generate`.
+
+A run gets the model path and the requests (image index, prompt, output length), loads, warms up
+on one short request (first-call costs of the matmul library are nobody's throughput), then times
+the whole job, image preprocessing included, and returns the tokens, the seconds and the peak RSS.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from bench import vlm
+
+
+@dataclass(frozen=True)
+class Job:
+    model: str
+    threads: int
+    num_images: int
+    seed: int
+    requests: list[tuple[int, str, int]]  # (image index, prompt, output tokens)
+    engine_args: dict
+    hf_batch_size: int = 8
+    profile: bool = False
+
+
+def run_in_child(fn, job: Job) -> dict:
+    """`fn(job)` in a spawned process (fresh heap, fresh thread pool)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, (job,))
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def engine_run(job: Job) -> dict:
+    from mm_engine import LLM, SamplingParams
+
+    torch.set_num_threads(job.threads)
+    images = vlm.images(job.num_images, job.seed)
+    llm = LLM(job.model, **job.engine_args)
+    warm = {"prompt": vlm.CAPTION_PROMPT, "multi_modal_data": {"image": vlm.noise_image(0)}}
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in job.requests]
+    timers = _profile(llm.engine) if job.profile else None
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    result = {
+        "seconds": seconds,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+        "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+        "encoded_images": llm.engine.runner.num_encoded_images - 1,  # minus the warm-up's
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+    if timers is not None:
+        timers["other"] = seconds - sum(timers.values())
+        result["profile"] = dict(timers)
+    return result
+
+
+def hf_run(job: Job) -> dict:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    torch.set_num_threads(job.threads)
+    images = vlm.images(job.num_images, job.seed)
+    processor = AutoProcessor.from_pretrained(job.model)
+    processor.tokenizer.padding_side = "left"  # generation appends on the right
+    model = LlavaForConditionalGeneration.from_pretrained(job.model, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: every row runs to its max_new_tokens
+    pad = processor.tokenizer.pad_token_id
+
+    def generate(batch: list[tuple[int, str, int]]) -> list[list[int]]:
+        inputs = processor(
+            text=[p for _, p, _ in batch],
+            images=[images[i] for i, _, _ in batch],
+            padding=True,
+            return_tensors="pt",
+        )
+        longest = max(n for _, _, n in batch)  # a static batch runs until its longest row is done
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=longest, do_sample=False, pad_token_id=pad)
+        new = out[:, inputs["input_ids"].shape[1] :].tolist()
+        return [row[:n] for row, (_, _, n) in zip(new, batch, strict=True)]
+
+    with torch.inference_mode():
+        warm_inputs = processor(text=[vlm.CAPTION_PROMPT], images=[vlm.noise_image(0)], return_tensors="pt")
+        model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
+    bs = job.hf_batch_size
+    start = time.perf_counter()
+    tokens = []
+    for k in range(0, len(job.requests), bs):
+        tokens += generate(job.requests[k : k + bs])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": tokens, "peak_rss_mib": _peak_rss_mib()}
+
+
+def _profile(engine) -> dict[str, float]:
+    """Wrap the engine's phases with wall-clock timers (shares of one run; the timers cost ~1 us).
+
+    A forward pass that mixes prefill chunks and decodes is split between the two by token count."""
+    timers: dict[str, float] = defaultdict(float)
+
+    def timed(obj, name: str, bucket: str):
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers[bucket] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    runner = engine.runner
+    execute = runner.execute
+
+    def execute_split(items):
+        t, vision_before = time.perf_counter(), timers["vision"]
+        try:
+            return execute(items)
+        finally:
+            forward = time.perf_counter() - t - (timers["vision"] - vision_before)
+            prefill = sum(n for req, n in items if _in_prompt(req))
+            total = sum(n for _, n in items)
+            timers["prefill"] += forward * prefill / total
+            timers["decode"] += forward * (total - prefill) / total
+
+    runner.execute = execute_split
+    timed(runner, "_encode_images", "vision")
+    timed(engine.scheduler, "schedule", "scheduling")
+    timed(engine.sampler, "sample", "sampling")
+    timed(engine.inputs, "process", "input processing")
+    add = engine.add_processed
+
+    def add_with_timed_detok(*args, **kwargs):
+        rid = add(*args, **kwargs)
+        timed(engine.requests[rid].detokenizer, "step", "detokenization")
+        return rid
+
+    engine.add_processed = add_with_timed_detok
+    return timers
+
+
+def _in_prompt(req) -> bool:
+    return req.num_computed_tokens < req.num_prompt_tokens

@@ -1,0 +1,146 @@
+"""Turn the benchmarks' JSON into PNG plots for README (matplotlib, no display needed).
+
+    python -m bench.report [--results bench/results]
+
+Reads whichever of offline_caption.json, offline_chat.json, serve.json, memory.json and
+roofline.json exist in the folder and writes one PNG next to each; every plot's title carries the
+date and the machine the figures were measured on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+ENGINE, HF = "#1f77b4", "#ff7f0e"
+
+
+def _stamp(machine: dict) -> str:
+    return (
+        f"{machine.get('date', '?')}, {machine.get('cpu', '?')}, {machine.get('torch_threads', '?')} threads"
+    )
+
+
+def plot_offline(runs: list[dict], out: Path) -> None:
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), squeeze=False)
+    for ax, r in zip(axes[0], runs, strict=True):
+        vals = [r["engine_images_per_s"], r["hf_images_per_s"]]
+        bars = ax.bar(["mm-engine", f"transformers\n(batch {r['hf_batch_size']})"], vals, color=[ENGINE, HF])
+        fracs = [r["compute_floor_fraction"], r["hf_compute_floor_fraction"]]
+        for bar, frac in zip(bars, fracs, strict=True):
+            ax.annotate(
+                f"{frac:.0%} of\ncompute floor",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_ylim(0, max(vals) * 1.3)
+        ax.set_ylabel("images / s")
+        ax.set_title(f"{r['workload']}: {r['throughput_ratio']:.2f}x transformers", fontsize=10)
+    fig.suptitle(f"bench.offline ({_stamp(runs[0]['machine'])})", fontsize=9)
+    _save(fig, out)
+
+
+def plot_serve(r: dict, out: Path) -> None:
+    groups = [g for g in ("caption", "chat", "overall") if g in r["metrics"]]
+    names = ("ttft", "tpot", "itl", "e2el")
+    fig, axes = plt.subplots(1, len(names), figsize=(14, 3.6))
+    for ax, name in zip(axes, names, strict=True):
+        for k, stat in enumerate(("median", "p99")):
+            vals = [r["metrics"][g].get(f"{stat}_{name}_ms") or 0.0 for g in groups]
+            xs = [i + (k - 0.5) * 0.38 for i in range(len(groups))]
+            ax.bar(xs, vals, width=0.38, label=stat, color=[ENGINE, HF][k])
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_title(f"{name.upper()} (ms)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    a = r["args"]
+    fig.suptitle(
+        f"bench.serve: {a.get('num_prompts')} requests at {a.get('request_rate')} req/s, "
+        f"goodput {r['metrics']['overall'].get('request_goodput') or 0:.2f} req/s ({_stamp(r['machine'])})",
+        fontsize=9,
+    )
+    _save(fig, out)
+
+
+def plot_memory(r: dict, out: Path) -> None:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    pools = list(r["kv_waste"])
+    ax1.bar(pools, [100 * r["kv_waste"][p] for p in pools], color=ENGINE)
+    ax1.axhline(4, color="grey", ls="--", lw=1)
+    ax1.text(len(pools) - 0.5, 4.1, "4% (vLLM paper)", ha="right", va="bottom", fontsize=8)
+    ax1.set_ylabel("internal waste (%)")
+    ax1.set_title("KV slots allocated but not filled", fontsize=10)
+    ours = r.get("seqs_mean", 0)
+    ax2.bar(["mm-engine (paged)", "transformers\n(static cache)"], [ours, r["hf_seqs"]], color=[ENGINE, HF])
+    ax2.set_ylabel("sequences at once")
+    ax2.set_title(f"same KV memory: {r['concurrent_seqs_ratio']:.2f}x", fontsize=10)
+    fig.suptitle(f"bench.memory ({_stamp(r['machine'])})", fontsize=9)
+    _save(fig, out)
+
+
+def plot_roofline(r: dict, out: Path) -> None:
+    rows = r["rows"]
+    b = [x["batch"] for x in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(b, [x["step_ms"] for x in rows], "o-", color=ENGINE, label="measured step")
+    ax.plot(b, [x["memory_bound_ms"] for x in rows], "--", color="grey", label="memory bound")
+    ax.plot(b, [x["compute_bound_ms"] for x in rows], ":", color="black", label="compute bound")
+    for x in rows:
+        ax.annotate(
+            f"{x['fraction_of_roofline']:.0%}",
+            (x["batch"], x["step_ms"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=8)
+    ax.set_title(f"bench.roofline ({_stamp(r['machine'])})", fontsize=9)
+    _save(fig, out)
+
+
+def _save(fig, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    d = args.results
+
+    def load(name: str) -> dict | None:
+        path = d / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    written = []
+    offline = [r for r in (load("offline_caption.json"), load("offline_chat.json")) if r]
+    if offline:
+        plot_offline(offline, d / "offline.png")
+        written.append(d / "offline.png")
+    for name, fn in (("serve", plot_serve), ("memory", plot_memory), ("roofline", plot_roofline)):
+        r = load(f"{name}.json")
+        if r:
+            fn(r, d / f"{name}.png")
+            written.append(d / f"{name}.png")
+    if not written:
+        raise SystemExit(f"no benchmark JSON found in {d}")
+    return written
+
+
+if __name__ == "__main__":
+    main()
