@@ -1,10 +1,11 @@
 """Offline throughput, side by side: mm-engine against transformers on the same model and inputs.
 
-    python -m bench.offline --workload caption|chat [--num-images 64] [--json PATH] [--profile]
+    python -m bench.offline --workload caption|chat [--num-images N] [--json PATH] [--profile]
 
 Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, long-tailed):
-  caption  one captioning prompt per image; outputs mean ~30 tokens, at most 64.
-  chat     four questions per image; outputs mean ~100 tokens, at most 384.
+  caption  one captioning prompt per image (64 by default); outputs mean ~30 tokens, at most 64.
+  chat     four questions per image (16 images, 64 requests by default); outputs mean ~100
+           tokens, at most 384.
 
 transformers runs `LlavaForConditionalGeneration.generate`, greedy, batched with left padding, at
 the batch size that gave it the best throughput in a small sweep run first (one batch per
@@ -93,7 +94,9 @@ def compare(engine_tokens, hf_tokens, sample: int) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["caption", "chat"], default="caption")
-    ap.add_argument("--num-images", type=int, default=64)
+    ap.add_argument(
+        "--num-images", type=int, default=None, help="default: 64 for caption, 16 for chat (64 requests)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--hf-batch-size", type=int, default=None, help="skip the sweep and use this size")
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--model", default=None, help="a LLaVA checkpoint (default: bench.vlm's, built once)")
     args = ap.parse_args(argv)
+    if args.num_images is None:
+        # Chat at 64 images is 256 long answers: transformers alone would take ~15 minutes here.
+        args.num_images = 64 if args.workload == "caption" else 16
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     model = args.model or str(vlm.bench_model_path())

@@ -136,6 +136,19 @@ class BlockManager:
         req.num_registered_blocks = len(req.block_table)
         return req.num_computed_tokens
 
+    def pending_prompt_hashes(self, req: Any) -> list[bytes]:
+        """Hashes of the full prompt blocks this request has still to compute (prefix caching on)."""
+        if not self.enable_prefix_caching:
+            return []
+        full = req.num_prompt_tokens // self.block_size
+        self._hash_full_blocks(req, upto=full)
+        return req.block_hashes[req.num_computed_tokens // self.block_size : full]
+
+    def next_block_hash(self, req: Any) -> bytes | None:
+        """Hash of the first full prompt block a request (after `match_prefix`) would compute."""
+        pending = self.pending_prompt_hashes(req)
+        return pending[0] if pending else None
+
     def commit(self, req: Any) -> None:
         """After a step: register the blocks that have just become full, so others can reuse them."""
         if not self.enable_prefix_caching:

@@ -5,7 +5,10 @@ Each step walks running and waiting requests together in rank order (the policy'
   the lowest-ranked running request not yet scheduled this step is preempted;
 - a waiting request is admitted if a seat (`max_num_seqs`), its blocks (keeping a small watermark
   of free blocks for the running ones) and the budgets allow; if not, it may preempt running
-  requests that it outranks by the policy's margin. Waiting requests never overtake each other.
+  requests that it outranks by the policy's margin. Waiting requests never overtake each other,
+  with one exception: a request whose next prompt block is being computed right now by another
+  (the second question about an image that the first is still prefilling) waits a step, so that
+  it reuses those blocks instead of computing them again, and lets the ones behind it go ahead.
 A chunk also stops before an image that the per-step encoder budget cannot encode.
 """
 
@@ -79,6 +82,9 @@ class Scheduler:
         self._budget, self._encoder_left = self.max_num_batched_tokens, self.encoder_budget
         self._scheduled: set[str] = set()
         self._ranks = ranks
+        # Prompt blocks being computed by running requests: a waiting request about to compute
+        # the same block waits for it to land in the prefix cache instead.
+        self._in_flight = {h for r in self.running for h in self.blocks.pending_prompt_hashes(r)}
         admitting = True
         for req in list(heapq.merge(self.running, self.waiting, key=key)):
             if self._budget == 0:
@@ -136,12 +142,17 @@ class Scheduler:
         return None
 
     def _admit(self, req: Request, now: float, batch: ScheduledBatch) -> bool:
+        """Admit `req` if it fits; returns whether the requests behind it may still be admitted."""
         swapped = self.swap is not None and self.swap.has(req.request_id)
         cached = 0
         if swapped:  # resume where it stopped; blocks are allocated fresh and the KV copied back
             req.num_computed_tokens = self.swap.num_computed(req.request_id)
         else:
             cached = self.blocks.match_prefix(req)
+            if self.blocks.next_block_hash(req) in self._in_flight:
+                self.blocks.free(req)  # its prefix blocks stay cached for next step
+                req.num_computed_tokens = 0
+                return True
         n, cost = self._chunk(req)
         while n > 0 and not (
             len(self.running) < self.max_num_seqs and self.blocks.can_allocate(req, n, keep_watermark=True)
@@ -158,6 +169,8 @@ class Scheduler:
         self.blocks.allocate(req, n)
         if swapped:
             self.swap.swap_in(req.request_id, req.block_table)
+        else:
+            self._in_flight.update(self.blocks.pending_prompt_hashes(req))
         self.waiting.remove(req)
         self.running.append(req)
         req.status = Status.RUNNING

@@ -47,8 +47,9 @@ def test_image_pool_holds_exactly_the_image_token_blocks(clip_llama, block_size)
             for block, is_image in zip(req.block_table, _expected_image_blocks(req, block_size), strict=True):
                 assert (block in image_pool) == is_image, (req.request_id, block)
                 held.append(block)
-        image_held = [b for b in held if b in image_pool]
-        assert len(held) == len(set(held)), "a block is in two block tables"
+        # A block may sit in several tables (a shared prefix: same image, same words before it).
+        held = set(held)
+        image_held = {b for b in held if b in image_pool}
         assert image_pool.num_used == len(image_held)
         assert engine.blocks.pools[TEXT].num_used == len(held) - len(image_held)
         report = llm.kv_report()

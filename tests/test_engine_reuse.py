@@ -112,3 +112,27 @@ def test_chunk_stops_before_an_image_the_encoder_budget_cannot_take(clip_llama):
         outs = engine.step()
     plain = LLM(clip_llama, kv_cache_memory_bytes=KV)
     assert outs[0].outputs[0].token_ids == plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
+
+
+def test_questions_sent_together_compute_their_shared_image_prefix_once(clip_llama):
+    """Four questions about one picture, arriving at once: the first prefills the image, the
+    others wait one step for those blocks and compute only their own words; the answers are those
+    of each question alone."""
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, block_size=8)
+    plain = LLM(clip_llama, kv_cache_memory_bytes=KV, block_size=8, enable_prefix_caching=False)
+    questions = ["what is this", "what color is the circle", "how many are there", "describe the image"]
+    prompts = [ask(3, q) for q in questions] + [ask(4, "what is this")]  # and another picture
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    outs = {o.request_id: o for o in engine.step() if o.finished}
+    # The first question and the other picture start; the other questions wait for the image blocks.
+    assert {r.request_id for r in engine.scheduler.running} == {ids[0], ids[4]}
+    assert {r.request_id for r in engine.scheduler.waiting} == set(ids[1:4])
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid in ids[1:4]:
+        assert outs[rid].num_cached_tokens == 16  # "USER:" and the 16 image tokens, in two blocks
+    assert outs[ids[0]].num_cached_tokens == 0 and outs[ids[4]].num_cached_tokens == 0
+    alone = plain.generate(prompts, GREEDY)
+    assert [outs[rid].outputs[0].token_ids for rid in ids] == [o.outputs[0].token_ids for o in alone]
+    assert all(p.num_used == 0 for p in engine.blocks.pools.values())
