@@ -6,9 +6,10 @@ Each step walks running and waiting requests together in rank order (the policy'
 - a waiting request is admitted if a seat (`max_num_seqs`), its blocks (keeping a small watermark
   of free blocks for the running ones) and the budgets allow; if not, it may preempt running
   requests that it outranks by the policy's margin. Waiting requests never overtake each other,
-  with one exception: a request whose next prompt block is being computed right now by another
-  (the second question about an image that the first is still prefilling) waits a step, so that
-  it reuses those blocks instead of computing them again, and lets the ones behind it go ahead.
+  with one exception: a request whose next prompt block is being computed in this step by one
+  ranked above it (the second question about an image that the first is prefilling) waits a
+  step, so that it reuses those blocks instead of computing them again, and lets the ones behind
+  it go ahead.
 A chunk also stops before an image that the per-step encoder budget cannot encode.
 """
 
@@ -82,9 +83,10 @@ class Scheduler:
         self._budget, self._encoder_left = self.max_num_batched_tokens, self.encoder_budget
         self._scheduled: set[str] = set()
         self._ranks = ranks
-        # Prompt blocks being computed by running requests: a waiting request about to compute
-        # the same block waits for it to land in the prefix cache instead.
-        self._in_flight = {h for r in self.running for h in self.blocks.pending_prompt_hashes(r)}
+        # Prompt blocks that requests scheduled so far in this step are computing: a waiting
+        # request (ranked below them) about to compute the same block waits for it to land in the
+        # prefix cache instead.
+        self._in_flight: set[bytes] = set()
         admitting = True
         for req in list(heapq.merge(self.running, self.waiting, key=key)):
             if self._budget == 0:
@@ -119,6 +121,8 @@ class Scheduler:
         self._budget -= n
         self._encoder_left -= cost
         self._scheduled.add(req.request_id)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            self._in_flight.update(self.blocks.pending_prompt_hashes(req))
 
     def _schedule_running(self, req: Request, batch: ScheduledBatch) -> None:
         n, cost = self._chunk(req)
@@ -169,8 +173,6 @@ class Scheduler:
         self.blocks.allocate(req, n)
         if swapped:
             self.swap.swap_in(req.request_id, req.block_table)
-        else:
-            self._in_flight.update(self.blocks.pending_prompt_hashes(req))
         self.waiting.remove(req)
         self.running.append(req)
         req.status = Status.RUNNING
