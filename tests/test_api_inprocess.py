@@ -154,7 +154,6 @@ def test_priority_reaches_the_engine(client, llm, monkeypatch):
     assert seen == [-5, 7]
 
 
-
 def test_caption_ignore_eos_reaches_the_engine(client, llm, monkeypatch):
     seen = []
     add = llm.engine.add_processed
@@ -164,6 +163,7 @@ def test_caption_ignore_eos_reaches_the_engine(client, llm, monkeypatch):
         r = client.post("/v1/caption", files=[("image", ("a", image_bytes(1)))], data=data)
         assert r.status_code == 200, r.text
     assert [p.ignore_eos for p in seen] == [True, False]
+
 
 def test_models_health_metrics_openapi(client):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]

@@ -56,7 +56,6 @@ def test_checkpoint_is_a_small_plain_llava():
     assert all(k.removeprefix("model.").startswith(parts) for k in keys)
 
 
-
 def test_held_out_captions_and_counts_meet_the_targets(llm):
     """The issue's bar, on 300 fresh scenes through the engine: every shape's colour and kind
     named left to right in >= 95% of the scenes with one or two shapes and >= 85% with three, and
@@ -73,6 +72,7 @@ def test_held_out_captions_and_counts_meet_the_targets(llm):
     assert sum(right["1-2"]) / len(right["1-2"]) >= 0.95
     assert sum(right["3"]) / len(right["3"]) >= 0.85
     assert sum(counted) / len(counted) >= 0.95
+
 
 def test_transformers_gives_the_same_greedy_tokens(llm):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
