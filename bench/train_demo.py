@@ -11,6 +11,7 @@ the language model's job easy: to name the k-th shape it only has to attend to t
 rank is k. Then the tower is frozen and the projector and language model learn the texts, all the
 questions of a scene packed into one sequence; last, everything is tuned together briefly. The
 per-patch heads are thrown away: the saved checkpoint is a plain `LlavaForConditionalGeneration`.
+Stage one lives in `bench/demo_tower.py`; the texts and the driver are here.
 
 Reproducible from the seed for a given thread count (float sums may round differently with
 another): the shipped weights are `python -m bench.train_demo --threads 1`, 47 minutes on this
@@ -22,15 +23,12 @@ for one or two shapes, 96% for three, counts 98.7%.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
     LlamaConfig,
@@ -42,12 +40,20 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from bench.demo_tower import (
+    GRID,
+    HEADS,
+    IMAGE_SIZE,
+    N_IMAGE_TOKENS,
+    PATCH,
+    lr_at,
+    scene_batch,
+    tower_features,
+    tower_loss,
+    train_tower,
+)
 from mm_engine import scenes
-from mm_engine.vision.preprocess import ImagePreprocessor
 
-IMAGE_SIZE, PATCH = 96, 12  # 8 x 8 = 64 image tokens
-GRID = IMAGE_SIZE // PATCH
-N_IMAGE_TOKENS = GRID * GRID
 VISION = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
 # Four layers: with three, looking a shape up by its kind and colour together was learnt late or never.
 TEXT = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
@@ -124,90 +130,6 @@ def build_processor(tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
         chat_template=CHAT_TEMPLATE,
         num_additional_image_tokens=0,
     )
-
-
-# The engine's own copy of the SigLIP preprocessing, so training sees the pixels inference sees.
-PREPROCESS = ImagePreprocessor(size=(IMAGE_SIZE, IMAGE_SIZE))
-
-
-# Per-patch targets of the tower: (name, classes); class 0 is "background" for all but count.
-HEADS = (("colour", 5), ("kind", 4), ("pair", 13), ("rank", 4), ("count", 3))
-
-
-def patch_labels(scene: scenes.Scene) -> np.ndarray:
-    """[N_IMAGE_TOKENS, len(HEADS)] class ids per patch. "pair" is colour and kind as one class,
-    so a question like "Is there a red circle?" can match one feature; "count" is the same in
-    every patch. A patch belongs to the shape covering most of it, if that covers 1/8 of it."""
-    mask = Image.new("L", scene.size, 0)
-    draw = ImageDraw.Draw(mask)
-    for i, shape in enumerate(scene.shapes):
-        scenes.draw_shape(draw, shape, i + 1)
-    m = np.asarray(mask.resize((IMAGE_SIZE, IMAGE_SIZE), Image.NEAREST))
-    m = m.reshape(GRID, PATCH, GRID, PATCH).transpose(0, 2, 1, 3).reshape(N_IMAGE_TOKENS, PATCH * PATCH)
-    cover = np.stack([(m == i + 1).sum(1) for i in range(len(scene.shapes))], 1)
-    rank = np.where(cover.max(1) * 8 >= PATCH * PATCH, cover.argmax(1) + 1, 0)
-    colour = [0] + [list(scenes.COLOURS).index(s.colour) + 1 for s in scene.shapes]
-    kind = [0] + [scenes.SHAPES.index(s.kind) + 1 for s in scene.shapes]
-    pair = [0] + [(c - 1) * 3 + k for c, k in zip(colour[1:], kind[1:], strict=True)]
-    count = np.full_like(rank, len(scene.shapes) - 1)
-    return np.stack([np.take(colour, rank), np.take(kind, rank), np.take(pair, rank), rank, count], 1)
-
-
-def scene_batch(rng: random.Random, n: int) -> tuple[list[scenes.Scene], torch.Tensor]:
-    batch = [scenes.random_scene(rng) for _ in range(n)]
-    return batch, PREPROCESS.batch([s.image for s in batch])
-
-
-def tower_features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -> torch.Tensor:
-    """What LLaVA feeds the projector: the last encoder layer's output (before the post-norm)."""
-    return model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1]
-
-
-def lr_at(step: int, steps: int, peak: float, warmup: int = 50) -> float:
-    return peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-
-
-def tower_loss(heads: torch.nn.Linear, feats: torch.Tensor, scene_list: list[scenes.Scene]):
-    """Sum of the heads' cross-entropies, and each head's accuracy on shape patches.
-
-    Every shape, and the background, of an image gets the same total weight: unweighted, big
-    shapes own most patches and the small ones, the hard ones, are drowned out."""
-    labels = torch.from_numpy(np.stack([patch_labels(s) for s in scene_list])).long()
-    rank = labels[..., 3]
-    onehot = F.one_hot(rank, 4).float()
-    weights = (onehot / onehot.sum(1, keepdim=True).clamp(min=1)).sum(-1)
-    logits = heads(feats).split([n for _, n in HEADS], dim=-1)
-    loss, accs = 0.0, {}
-    for i, ((name, _), lg) in enumerate(zip(HEADS, logits, strict=True)):
-        ce = F.cross_entropy(lg.transpose(1, 2), labels[..., i], reduction="none")
-        loss = loss + (ce.mean() if name == "count" else (ce * weights).sum() / weights.sum())
-        accs[name] = (lg.argmax(-1) == labels[..., i])[rank > 0].float().mean().item()
-    return loss, accs
-
-
-def train_tower(model, heads: torch.nn.Linear, rng: random.Random, steps: int, batch: int, lr: float) -> None:
-    params = [*model.model.vision_tower.parameters(), *heads.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    start = time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
-        batch_scenes, pixels = scene_batch(rng, batch)
-        loss, accs = tower_loss(heads, tower_features(model, pixels), batch_scenes)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            shown = " ".join(f"{k} {v:.3f}" for k, v in accs.items())
-            print(
-                f"tower {step:5d} loss {loss.item():.3f} right on shapes: {shown} [{_since(start)}]",
-                flush=True,
-            )
-
-
-def _since(start: float) -> str:
-    return f"{time.perf_counter() - start:.0f}s"
 
 
 class TextBatcher:
