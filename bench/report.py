@@ -21,7 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 ENGINE, HF = "#1f77b4", "#ff7f0e"
 
 
-def _stamp(machine: dict) -> str:
+def _stamp(result: dict) -> str:
+    machine = result.get("machine") or result.get("inputs", {}).get("machine", {})
     return (
         f"{machine.get('date', '?')}, {machine.get('cpu', '?')}, {machine.get('torch_threads', '?')} threads"
     )
@@ -44,7 +45,7 @@ def plot_offline(runs: list[dict], out: Path) -> None:
         ax.set_ylim(0, max(vals) * 1.3)
         ax.set_ylabel("images / s")
         ax.set_title(f"{r['workload']}: {r['throughput_ratio']:.2f}x transformers", fontsize=10)
-    fig.suptitle(f"bench.offline ({_stamp(runs[0]['machine'])})", fontsize=9)
+    fig.suptitle(f"bench.offline ({_stamp(runs[0])})", fontsize=9)
     _save(fig, out)
 
 
@@ -59,11 +60,11 @@ def plot_serve(r: dict, out: Path) -> None:
             ax.bar(xs, vals, width=0.38, label=stat, color=[ENGINE, HF][k])
         ax.set_xticks(range(len(groups)), groups)
         ax.set_title(f"{name.upper()} (ms)", fontsize=10)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="lower left", framealpha=0.9)
     a = r["args"]
     fig.suptitle(
         f"bench.serve: {a.get('num_prompts')} requests at {a.get('request_rate')} req/s, "
-        f"goodput {r['metrics']['overall'].get('request_goodput') or 0:.2f} req/s ({_stamp(r['machine'])})",
+        f"goodput {r['metrics']['overall'].get('request_goodput') or 0:.2f} req/s ({_stamp(r)})",
         fontsize=9,
     )
     _save(fig, out)
@@ -81,7 +82,7 @@ def plot_memory(r: dict, out: Path) -> None:
     ax2.bar(["mm-engine (paged)", "transformers\n(static cache)"], [ours, r["hf_seqs"]], color=[ENGINE, HF])
     ax2.set_ylabel("sequences at once")
     ax2.set_title(f"same KV memory: {r['concurrent_seqs_ratio']:.2f}x", fontsize=10)
-    fig.suptitle(f"bench.memory ({_stamp(r['machine'])})", fontsize=9)
+    fig.suptitle(f"bench.memory ({_stamp(r)})", fontsize=9)
     _save(fig, out)
 
 
@@ -106,7 +107,7 @@ def plot_roofline(r: dict, out: Path) -> None:
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("ms per step")
     ax.legend(fontsize=8)
-    ax.set_title(f"bench.roofline ({_stamp(r['machine'])})", fontsize=9)
+    ax.set_title(f"bench.roofline ({_stamp(r)})", fontsize=9)
     _save(fig, out)
 
 

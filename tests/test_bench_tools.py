@@ -5,6 +5,8 @@ checkpoint (no timing is checked, only that the figures are there and consistent
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +79,10 @@ def test_offline_roofline_and_report_end_to_end(clip_llama, tmp_path, capsys):
     assert roof["blocks_held_after"] == {"text": 0, "image": 0}  # aborted requests freed their blocks
     assert "| batch |" in capsys.readouterr().out
 
+    # bench.memory and bench.serve JSON as their last real runs wrote it (bench/results).
+    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    for name in ("memory.json", "serve.json"):
+        shutil.copy(results / name, tmp_path / name)
     written = report.main(["--results", str(tmp_path)])
-    assert sorted(p.name for p in written) == ["offline.png", "roofline.png"]
+    assert sorted(p.name for p in written) == ["memory.png", "offline.png", "roofline.png", "serve.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
