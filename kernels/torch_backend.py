@@ -100,10 +100,17 @@ class TorchBackend:
         tables = meta.block_tables[seqs]
         k = self._gather(k_cache, tables, n_blocks)  # [n, T, KVH, D]
         v = self._gather(v_cache, tables, n_blocks)
-        n, group = q.shape[0], q.shape[1] // num_kv_heads
-        qg = q.view(n, num_kv_heads, group, head_dim).to(k.dtype)
-        scores = torch.einsum("nkgd,ntkd->nkgt", qg, k) * scale
-        pad = torch.arange(k.shape[1], device=q.device)[None, :] >= lens[:, None].to(q.device)
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        o = torch.einsum("nkgt,ntkd->nkgd", scores.softmax(-1), v)
-        return o.reshape(n, num_kv_heads * group, head_dim).to(q.dtype)
+        n, num_heads = q.shape[:2]
+        group, t = num_heads // num_kv_heads, k.shape[1]
+        # The gathered K/V are [n, T, KVH, D]; viewed as [n, T*KVH, D] they feed bmm without a
+        # copy into a head-major layout (which cost more than the attention itself). Each query
+        # head is scored against every KV head and only its own group's scores are kept: KVH
+        # times the (small) attention FLOPs, no layout copy.
+        scores = torch.bmm(q.to(k.dtype), k.view(n, t * num_kv_heads, head_dim).transpose(1, 2))
+        scores = scores.view(n, num_kv_heads, group, t, num_kv_heads).diagonal(dim1=1, dim2=4)  # [n,G,T,KVH]
+        pad = torch.arange(t, device=q.device)[None, :] >= lens[:, None].to(q.device)
+        probs = (scores * scale).masked_fill(pad[:, None, :, None], float("-inf")).softmax(dim=2)
+        spread = probs.new_zeros(n, num_kv_heads, group, t, num_kv_heads)
+        spread.diagonal(dim1=1, dim2=4).copy_(probs)
+        out = torch.bmm(spread.view(n, num_heads, t * num_kv_heads), v.view(n, t * num_kv_heads, head_dim))
+        return out.to(q.dtype)
