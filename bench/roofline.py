@@ -32,11 +32,14 @@ def step_seconds(llm: LLM, batch: int, context: int, steps: int, seed: int) -> l
     """Time `steps` decode steps of `batch` sequences whose prompts are `context` tokens."""
     engine = llm.engine
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    # Long enough that nobody finishes while the last prompts are being prefilled (every running
+    # request decodes a token in each of those steps); all are aborted after the timed steps.
+    prefill_steps = -(-batch * (context + 1) // engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8 + 2 * prefill_steps, ignore_eos=True)
     ids = []
     for _ in range(batch):  # distinct prompts: nothing shared through the prefix cache
         ids.append(engine.add_request(" ".join(rng.choice(WORDS) for _ in range(context)), params))
-    while any(not engine.requests[r].output_token_ids for r in ids):  # prefill, first token out
+    while any(r in engine.requests and not engine.requests[r].output_token_ids for r in ids):
         engine.step()
     engine.step()  # one decode step to settle
     times = []
