@@ -109,6 +109,9 @@ class TorchBackend:
         scores = torch.bmm(q.to(k.dtype), k.view(n, t * num_kv_heads, head_dim).transpose(1, 2))
         scores = scores.view(n, num_kv_heads, group, t, num_kv_heads).diagonal(dim1=1, dim2=4)  # [n,G,T,KVH]
         pad = torch.arange(t, device=q.device)[None, :] >= lens[:, None].to(q.device)
+        # Slots past a sequence's end hold stale (on CPU: uninitialized) values, and a zero weight
+        # times NaN is NaN: zero them in the gathered copy (only those slots are written).
+        v[pad.nonzero(as_tuple=True)] = 0.0
         probs = (scores * scale).masked_fill(pad[:, None, :, None], float("-inf")).softmax(dim=2)
         spread = probs.new_zeros(n, num_kv_heads, group, t, num_kv_heads)
         spread.diagonal(dim1=1, dim2=4).copy_(probs)
