@@ -47,15 +47,13 @@ class TorchBackend:
         out = torch.empty_like(query)
         q_lens = meta.query_lens_cpu
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        if len(decodes) > 1:
+        batched = set(decodes) if len(decodes) > 1 else set()  # one decode alone: the plain path
+        if batched:
             rows = meta.query_start_loc[:-1][decodes].long()
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, decodes, scale)
-        else:
-            decodes = []
         start = 0
-        skip = set(decodes)
         for i, (q_len, seq_len) in enumerate(zip(q_lens, meta.seq_lens_cpu, strict=True)):
-            if i not in skip:
+            if i not in batched:
                 q = query[start : start + q_len]  # [q_len, H, D]
                 out[start : start + q_len] = self._prefill(
                     q, k_cache, v_cache, meta, i, seq_len, scale, num_heads

@@ -50,9 +50,8 @@ class Rotary(nn.Module):
         and shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling)[:, None, :].to(dtype), (emb.sin() * self.scaling)[:, None, :].to(
-            dtype
-        )
+        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
