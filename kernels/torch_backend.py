@@ -26,14 +26,13 @@ class TorchBackend:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        num_blocks, block_size, heads, dim = k_cache.shape
+        block_size = k_cache.shape[1]
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(num_blocks * block_size, heads, dim).index_copy_(
-            0, slot_mapping, value.to(v_cache.dtype)
-        )
+        where = (slot_mapping // block_size, slot_mapping % block_size)  # any cache strides
+        k_cache.index_put_(where, key.to(k_cache.dtype))
+        v_cache.index_put_(where, value.to(v_cache.dtype))
 
     def attend(
         self,
@@ -63,15 +62,26 @@ class TorchBackend:
 
     @staticmethod
     def _gather(cache: torch.Tensor, tables: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        """[seqs, n_blocks * block_size, kv_heads, head_dim]: the first blocks of each table."""
-        g = cache[tables[:, :n_blocks].long()]
-        return g.reshape(g.shape[0], -1, *cache.shape[2:])
+        """`[seqs, kv_heads, n_blocks * block_size, head_dim]`, contiguous: the first blocks of each
+        table."""
+        num_blocks, block_size, kv_heads, head_dim = cache.shape
+        blocks = tables[:, :n_blocks].long()
+        by_head = cache.transpose(1, 2)  # [blocks, kv_heads, slots, dim]
+        if by_head.is_contiguous():
+            # The pool's own layout (pools.kv_cache): one contiguous run per (block, head), so
+            # the gather is whole-run copies and needs no transpose afterwards.
+            rows = blocks[:, None, :] * kv_heads + torch.arange(kv_heads, device=cache.device)[:, None]
+            runs = by_head.view(num_blocks * kv_heads, block_size * head_dim).index_select(0, rows.flatten())
+            return runs.view(len(blocks), kv_heads, n_blocks * block_size, head_dim)
+        g = by_head[blocks]  # any other layout: [seqs, n_blocks, kv_heads, slots, dim]
+        g = g.transpose(1, 2).reshape(len(blocks), kv_heads, n_blocks * block_size, head_dim)
+        return g.contiguous()
 
     def _prefill(self, q, k_cache, v_cache, meta, i: int, seq_len: int, scale: float, num_heads: int):
         q_len, (block_size, num_kv_heads, _) = q.shape[0], k_cache.shape[1:]
         n_blocks = -(-seq_len // block_size)
-        k = self._gather(k_cache, meta.block_tables[i : i + 1], n_blocks)[0, :seq_len]
-        v = self._gather(v_cache, meta.block_tables[i : i + 1], n_blocks)[0, :seq_len]
+        k = self._gather(k_cache, meta.block_tables[i : i + 1], n_blocks)[0, :, :seq_len]
+        v = self._gather(v_cache, meta.block_tables[i : i + 1], n_blocks)[0, :, :seq_len]
         mask, causal = None, False
         if q_len == seq_len:
             causal = q_len > 1
@@ -81,8 +91,8 @@ class TorchBackend:
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).to(k.dtype),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            k,
+            v,
             attn_mask=mask,
             is_causal=causal,
             scale=scale,
@@ -96,22 +106,20 @@ class TorchBackend:
         lens = meta.seq_lens[seqs]
         n_blocks = -(-max(meta.seq_lens_cpu[i] for i in seqs) // block_size)
         tables = meta.block_tables[seqs]
-        k = self._gather(k_cache, tables, n_blocks)  # [n, T, KVH, D]
+        k = self._gather(k_cache, tables, n_blocks)  # [n, KVH, T, D]
         v = self._gather(v_cache, tables, n_blocks)
         n, num_heads = q.shape[:2]
-        group, t = num_heads // num_kv_heads, k.shape[1]
-        # The gathered K/V are [n, T, KVH, D]; viewed as [n, T*KVH, D] they feed bmm without a
-        # copy into a head-major layout (which cost more than the attention itself). Each query
-        # head is scored against every KV head and only its own group's scores are kept: KVH
-        # times the (small) attention FLOPs, no layout copy.
-        scores = torch.bmm(q.to(k.dtype), k.view(n, t * num_kv_heads, head_dim).transpose(1, 2))
-        scores = scores.view(n, num_kv_heads, group, t, num_kv_heads).diagonal(dim1=1, dim2=4)  # [n,G,T,KVH]
-        pad = torch.arange(t, device=q.device)[None, :] >= lens[:, None].to(q.device)
+        group, t = num_heads // num_kv_heads, k.shape[2]
+        # Query heads h*group .. (h+1)*group - 1 share KV head h: one batch entry per (sequence,
+        # KV head), its group of queries against that head's keys.
+        qg = q.to(k.dtype).reshape(n * num_kv_heads, group, head_dim)
+        scores = torch.bmm(qg, k.view(n * num_kv_heads, t, head_dim).transpose(1, 2))
+        pad = torch.arange(t, device=q.device)[None, :] >= lens[:, None].to(q.device)  # [n, T]
         # Slots past a sequence's end hold stale (on CPU: uninitialized) values, and a zero weight
-        # times NaN is NaN: zero them in the gathered copy (only those slots are written).
-        v[pad.nonzero(as_tuple=True)] = 0.0
-        probs = (scores * scale).masked_fill(pad[:, None, :, None], float("-inf")).softmax(dim=2)
-        spread = probs.new_zeros(n, num_kv_heads, group, t, num_kv_heads)
-        spread.diagonal(dim1=1, dim2=4).copy_(probs)
-        out = torch.bmm(spread.view(n, num_heads, t * num_kv_heads), v.view(n, t * num_kv_heads, head_dim))
-        return out.to(q.dtype)
+        # times NaN is NaN: zero them in the gathered V (only those slots are written). In K they
+        # only reach scores, which the mask overwrites.
+        v.transpose(1, 2)[pad.nonzero(as_tuple=True)] = 0.0
+        scores = scores.view(n, num_kv_heads, group, t).mul_(scale)
+        probs = scores.masked_fill_(pad[:, None, None, :], float("-inf")).softmax(dim=-1)
+        out = torch.bmm(probs.view(n * num_kv_heads, group, t), v.view(n * num_kv_heads, t, head_dim))
+        return out.view(n, num_heads, head_dim).to(q.dtype)

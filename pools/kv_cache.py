@@ -35,12 +35,26 @@ def split_blocks(total_blocks: int, image_pool_fraction: float) -> tuple[int, in
     return total_blocks - image, image
 
 
+def paged_kv_tensor(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """One layer's K (or V) cache, indexed `[block, slot, kv_head, dim]`.
+
+    It is stored head-major within each block (`[block, kv_head, slot, dim]`) and handed out as a
+    transposed view; the kernels index by strides and do not care. The layout is for the CPU path:
+    one KV head's keys of a block are one contiguous run, so gathering a sequence's keys copies
+    whole runs and lands them already in the `[kv_head, token, dim]` order attention multiplies in.
+    torch.empty: on CPU untouched pages cost no resident memory; stale values are never read
+    because attention only looks at slots below each sequence's length.
+    """
+    store = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+    return store.transpose(1, 2)
+
+
 class KVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # torch.empty: on CPU untouched pages cost no resident memory; stale values are never read
-        # because attention only looks at slots below each sequence's length.
-        self.k = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.empty(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        dims = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [paged_kv_tensor(*dims, spec.dtype, device) for _ in range(spec.num_layers)]
+        self.v = [paged_kv_tensor(*dims, spec.dtype, device) for _ in range(spec.num_layers)]
