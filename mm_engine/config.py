@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
+    cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
     scheduling_policy: str = "priority"  # or "fcfs"
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
     max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less

@@ -43,7 +43,12 @@ class LLMEngine:
         self.hf_config = load_config(path)
         torch.manual_seed(config.seed)
         self.model = load_model(
-            path, self.hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), self.device
+            path,
+            self.hf_config,
+            config.torch_dtype("dtype"),
+            config.torch_dtype("vision_dtype"),
+            self.device,
+            pack_weights=config.cpu_packed_weights,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.inputs = InputProcessor(

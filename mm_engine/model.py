@@ -12,6 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from mm_engine.layers import DecoderLM
+from mm_engine.packed_linear import PackedLinear
 
 
 class Projector(nn.Module):
@@ -23,6 +24,11 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        first = self.linear_1
+        return first.dtype if isinstance(first, PackedLinear) else first.weight.dtype
 
 
 def feature_layers(config) -> list[int]:
@@ -80,5 +86,4 @@ class LlavaModel(nn.Module):
         if self.config.vision_feature_select_strategy == "default":
             feats = [f[:, 1:] for f in feats]
         feats = torch.cat(feats, dim=-1)
-        proj_dtype = self.multi_modal_projector.linear_1.weight.dtype
-        return self.multi_modal_projector(feats.to(proj_dtype))
+        return self.multi_modal_projector(feats.to(self.multi_modal_projector.dtype))

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel
 
 from mm_engine.layers import DecoderLM
 from mm_engine.model import LlavaModel
+from mm_engine.packed_linear import pack_linears
 
 SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SUPPORTED_TEXT = ("llama", "mistral", "qwen2")
@@ -114,8 +115,15 @@ def _load(module: torch.nn.Module, state: dict, what: str) -> None:
 
 
 def load_model(
-    path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device
+    path: Path,
+    config,
+    dtype: torch.dtype,
+    vision_dtype: torch.dtype,
+    device: torch.device,
+    pack_weights: bool = False,
 ) -> LlavaModel:
+    """`pack_weights`: on CPU, run every linear layer through oneDNN with a packed weight
+    (`mm_engine.packed_linear`); elsewhere it changes nothing."""
     vision_state, projector_state, lm_state = split_weights(read_weights(path))
     bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
@@ -129,4 +137,7 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = LlavaModel(config, tower, lm, projector_bias="linear_1.bias" in projector_state)
     _load(model.multi_modal_projector, projector_state, "projector")
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if pack_weights:
+        pack_linears(model)
+    return model
