@@ -2,7 +2,8 @@
 
 A backend does two things per layer and step: write the new K/V into their slots, then compute
 attention of the new queries over each sequence's paged K/V. Models call only these two methods,
-so the torch path (CPU, reference) and the Triton path (GPU) are interchangeable.
+so the torch path (CPU, reference), the CPU path (torch plus a C decode kernel) and the Triton path
+(GPU) are interchangeable.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from mm_engine.kernels.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 class AttentionBackend(Protocol):
@@ -45,7 +46,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend='triton' needs a CUDA device; on CPU it runs only under the Triton "
@@ -62,4 +63,6 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         return TritonBackend()
     from mm_engine.kernels.torch_backend import TorchBackend
 
-    return TorchBackend()
+    # "cpu" is the torch path with decodes through the C kernel where it builds; "torch" is the
+    # plain reference.
+    return TorchBackend(decode_kernel=name == "cpu")

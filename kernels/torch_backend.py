@@ -12,11 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mm_engine.kernels import cpu_decode
 from mm_engine.kernels.metadata import AttentionMetadata
 
 
 class TorchBackend:
-    name = "torch"
+    def __init__(self, decode_kernel: bool = False) -> None:
+        # With `decode_kernel`, batched decodes go through kernels/cpu_decode.c when it is built
+        # here and applies (float32, the pool's layout); otherwise through the torch code below.
+        self.decode_kernel = decode_kernel
+        self.name = "cpu" if decode_kernel else "torch"
 
     def write_kv(
         self,
@@ -46,7 +51,8 @@ class TorchBackend:
         out = torch.empty_like(query)
         q_lens = meta.query_lens_cpu
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        batched = set(decodes) if len(decodes) > 1 else set()  # one decode alone: the plain path
+        # One decode alone takes the plain path, unless the kernel is there to take it.
+        batched = set(decodes) if len(decodes) > 1 or self.decode_kernel else set()
         if batched:
             rows = meta.query_start_loc[:-1][decodes].long()
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, decodes, scale)
@@ -104,8 +110,13 @@ class TorchBackend:
         """One query token per sequence: q `[n, H, D]` -> `[n, H, D]`."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         lens = meta.seq_lens[seqs]
-        n_blocks = -(-max(meta.seq_lens_cpu[i] for i in seqs) // block_size)
+        max_len = max(meta.seq_lens_cpu[i] for i in seqs)
+        n_blocks = -(-max_len // block_size)
         tables = meta.block_tables[seqs]
+        if self.decode_kernel:
+            out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, max_len, scale)
+            if out is not None:
+                return out
         k = self._gather(k_cache, tables, n_blocks)  # [n, KVH, T, D]
         v = self._gather(v_cache, tables, n_blocks)
         n, num_heads = q.shape[:2]

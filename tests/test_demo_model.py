@@ -23,6 +23,7 @@ EXAMPLE_CAPTION = "a red square, a green triangle and a yellow circle."  # what 
 N_SCENES = 300
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(str(DEMO), kv_cache_memory_bytes=64 * 1024**2)

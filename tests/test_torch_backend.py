@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mm_engine.kernels import cpu_decode
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.torch_backend import TorchBackend
 from mm_engine.pools.kv_cache import paged_kv_tensor
@@ -65,3 +66,59 @@ def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones():
             assert torch.equal(k_cache[slot // bs, slot % bs], key[tok])
             assert torch.equal(v_cache[slot // bs, slot % bs], value[tok])
     assert int((k_cache != 0).any(-1).sum()) == 3 * kvh  # nothing else written
+
+
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(6, 2, 8), (9, 3, 64), (4, 4, 16), (16, 1, 32)])
+def test_c_decode_kernel_matches_the_torch_path(heads, kvh, d):
+    """The "cpu" backend's C kernel against the plain torch path, over NaN-filled unused slots,
+    lengths that end mid-block, one lone decode, and query/KV-head groupings from MHA to MQA."""
+    assert cpu_decode.load() is not None, "the C kernel must build where the tests run (cc on PATH)"
+    g = torch.Generator().manual_seed(2)
+    blocks, bs = 40, 4
+    k_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
+    v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
+    lens, tables = [5, 13, 1, 8], [[3, 7], [0, 9, 4, 20], [11], [30, 31]]
+    for n, table in zip(lens, tables, strict=True):
+        for pos in range(n):
+            slot = (table[pos // bs], pos % bs)
+            k_cache[slot], v_cache[slot] = torch.randn(kvh, d, generator=g), torch.randn(kvh, d, generator=g)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    for picked in ([0, 1, 2, 3], [1]):
+        meta = _decode_meta([lens[i] for i in picked], [tables[i] for i in picked])
+        want = TorchBackend().attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
+        got = TorchBackend(decode_kernel=True).attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_c_kernel_leaves_the_process_floating_point_state_alone():
+    """Built with -ffast-math, a library can switch on flush-to-zero for the whole process."""
+    assert cpu_decode.load() is not None
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0
+    assert torch.tensor([1e-40]).mul(1.0).item() > 0.0  # a float32 subnormal
+
+
+def test_c_decode_kernel_declines_what_it_cannot_take():
+    """Not float32, or not the pool's layout: None, and the backend falls back to torch."""
+    cache = paged_kv_tensor(4, 4, 2, 8, torch.float32, "cpu").zero_()
+    meta = _decode_meta([3, 2], [[0], [1]])
+    q = torch.randn(2, 2, 8)
+    assert cpu_decode.paged_decode(q.double(), cache, cache, meta.block_tables, meta.seq_lens, 3, 1.0) is None
+    plain = torch.zeros(4, 4, 2, 8)  # token-major, contiguous
+    assert cpu_decode.paged_decode(q, plain, plain, meta.block_tables, meta.seq_lens, 3, 1.0) is None
+    out = TorchBackend(decode_kernel=True).attend(q, plain, plain, meta, scale=1.0)
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    width = max(map(len, tables))
+    return AttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens,
+    )

@@ -1,0 +1,101 @@
+/* Paged decode attention for the CPU KV pool: one query token per sequence.
+ *
+ * The pool is stored [block, kv_head, slot, dim] (pools/kv_cache.py), so one KV head's keys of a
+ * block are one contiguous run of block_size * head_dim floats. Each (sequence, KV head) is one unit
+ * of work: its group of query heads is scored against the run of every block in the table, softmaxed,
+ * and the values are summed with those weights. K and V are read once, straight from the pool,
+ * instead of being gathered into a padded copy first (which is what the torch path must do).
+ * Slots at or past a sequence's length are never read, whatever they hold.
+ *
+ * Built by kernels/cpu_decode.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+
+static void attend_one(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
+                       int len, float *out, int group, int kv_heads, int block_size, int dim, int head,
+                       float scale, float *scores) {
+    float acc[MAX_GROUP][MAX_DIM];
+    float best[MAX_GROUP], total[MAX_GROUP];
+    const int64_t run = (int64_t)block_size * dim;
+    for (int g = 0; g < group; g++) {
+        best[g] = -INFINITY;
+        memset(acc[g], 0, sizeof(float) * dim);
+    }
+    for (int start = 0; start < len; start += block_size) {
+        const float *k = k_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
+        if (start + block_size < len) {
+            const int64_t next = ((int64_t)table[start / block_size + 1] * kv_heads + head) * run;
+            for (int64_t off = 0; off < run; off += 16) __builtin_prefetch(k_pool + next + off);
+        }
+        const int n = len - start < block_size ? len - start : block_size;
+        for (int i = 0; i < n; i++) {
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + (int64_t)(head * group + g) * dim;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < dim; d++) s += qg[d] * k[i * dim + d];
+                s *= scale;
+                scores[g * len + start + i] = s;
+                if (s > best[g]) best[g] = s;
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float sum = 0.f, *sg = scores + g * len;
+#pragma omp simd reduction(+ : sum)
+        for (int p = 0; p < len; p++) {
+            sg[p] = expf(sg[p] - best[g]);
+            sum += sg[p];
+        }
+        total[g] = sum;
+    }
+    for (int start = 0; start < len; start += block_size) {
+        const float *v = v_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
+        const int n = len - start < block_size ? len - start : block_size;
+        for (int i = 0; i < n; i++) {
+            for (int g = 0; g < group; g++) {
+                const float p = scores[g * len + start + i];
+                float *a = acc[g];
+#pragma omp simd
+                for (int d = 0; d < dim; d++) a[d] += p * v[i * dim + d];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *o = out + (int64_t)(head * group + g) * dim;
+        for (int d = 0; d < dim; d++) o[d] = acc[g][d] / total[g];
+    }
+}
+
+/* q, out: [n, heads, dim] contiguous; tables: [n, table_stride] int32; lens: [n] int32.
+ * Returns 0, or -1 when a shape is beyond the fixed limits (the caller falls back). */
+int paged_decode(const float *q, const float *k_pool, const float *v_pool, const int32_t *tables,
+                 int64_t table_stride, const int32_t *lens, float *out, int n, int heads, int kv_heads,
+                 int block_size, int dim, float scale, int max_len, int threads) {
+    const int group = heads / kv_heads;
+    if (group > MAX_GROUP || dim > MAX_DIM || group * kv_heads != heads) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * group * (max_len > 0 ? max_len : 1));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int w = 0; w < n * kv_heads; w++) {
+            if (!scores) continue;
+            const int s = w / kv_heads, h = w % kv_heads;
+            attend_one(q + (int64_t)s * heads * dim, k_pool, v_pool, tables + s * table_stride, lens[s],
+                       out + (int64_t)s * heads * dim, group, kv_heads, block_size, dim, h, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
