@@ -8,6 +8,7 @@ checkpoint itself (Qwen2 has q/k/v biases, Llama may have `attention_bias`), not
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -23,10 +24,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # torch's fused kernel: one pass and no temporaries instead of the pow/mean/rsqrt/mul
+        # spelling, with bit-identical float32 output. Half inputs are normalised in float32 and
+        # cast back before the weight, as the Hugging Face models do.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -46,22 +49,24 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[tokens, 1, head_dim]` for these positions, computed once per forward pass
-        and shared by every layer."""
+        """cos and sin `[tokens, 1, head_dim // 2]` for these positions (both halves of a head use
+        the same angles), computed once per forward pass and shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`[tokens, heads, head_dim]`, rotate_half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    Written into halves of one output rather than as `x * cos + rotate_half(x) * sin`, which makes a
+    negated copy and a concatenation first; the arithmetic, and so every bit, is the same."""
     cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+    return out
 
 
 class Attention(nn.Module):
@@ -88,15 +93,17 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        t, hd = x.shape[0], self.head_dim
+        t, hd, h, kvh = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(
-                [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1
-            )
+            qkv = self.qkv_proj(x)
+            # q and k sit side by side in the fused output: rotate them as one [t, h + kvh, hd] view.
+            qk = apply_rotary(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope)
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * hd :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k = apply_rotary(q.view(t, self.num_heads, hd), k.view(t, self.num_kv_heads, hd), rope)
-        v = v.reshape(t, self.num_kv_heads, hd)
+            q = apply_rotary(self.q_proj(x).view(t, h, hd), rope)
+            k = apply_rotary(self.k_proj(x).view(t, kvh, hd), rope)
+            v = self.v_proj(x)
+        v = v.reshape(t, kvh, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
