@@ -35,6 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
+    cpu_tune_malloc: bool = True  # CPU: keep freed tensor memory in glibc's heap (mm_engine.cpu_memory)
     scheduling_policy: str = "priority"  # or "fcfs"
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
     max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from mm_engine.cpu_memory import tune_malloc
 from mm_engine.detokenizer import IncrementalDetokenizer
 from mm_engine.inputs import InputProcessor, find_chat_template
 from mm_engine.kernels.backend import get_backend
@@ -39,6 +40,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device()
+        if self.device.type == "cpu" and config.cpu_tune_malloc:
+            tune_malloc()
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
         torch.manual_seed(config.seed)

@@ -91,3 +91,10 @@ def test_missing_folder_goes_to_the_hub(monkeypatch):
     with pytest.raises(ValueError, match="could not be downloaded"):
         LLM("some-org/some-llava")
     assert calls == ["some-org/some-llava"]
+
+
+def test_cpu_malloc_settings_apply_once_and_are_reported():
+    from mm_engine import cpu_memory
+
+    assert cpu_memory.tune_malloc() is True  # glibc, as on every Linux machine the tests run on
+    assert cpu_memory.tune_malloc() is True  # idempotent
