@@ -17,7 +17,7 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-static void attend_one(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
+static inline __attribute__((always_inline)) void attend_one(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                        int len, float *out, int group, int kv_heads, int block_size, int dim, int head,
                        float scale, float *scores) {
     float acc[MAX_GROUP][MAX_DIM];
@@ -57,6 +57,10 @@ static void attend_one(const float *q, const float *k_pool, const float *v_pool,
     }
     for (int start = 0; start < len; start += block_size) {
         const float *v = v_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
+        if (start + block_size < len) {
+            const int64_t next = ((int64_t)table[start / block_size + 1] * kv_heads + head) * run;
+            for (int64_t off = 0; off < run; off += 16) __builtin_prefetch(v_pool + next + off);
+        }
         const int n = len - start < block_size ? len - start : block_size;
         for (int i = 0; i < n; i++) {
             for (int g = 0; g < group; g++) {
@@ -92,8 +96,23 @@ int paged_decode(const float *q, const float *k_pool, const float *v_pool, const
         for (int w = 0; w < n * kv_heads; w++) {
             if (!scores) continue;
             const int s = w / kv_heads, h = w % kv_heads;
-            attend_one(q + (int64_t)s * heads * dim, k_pool, v_pool, tables + s * table_stride, lens[s],
-                       out + (int64_t)s * heads * dim, group, kv_heads, block_size, dim, h, scale, scores);
+            const float *qs = q + (int64_t)s * heads * dim;
+            const int32_t *table = tables + s * table_stride;
+            float *os = out + (int64_t)s * heads * dim;
+/* The common shapes get a copy with group and head_dim as constants, so the compiler unrolls the
+ * head_dim loops and keeps the accumulators in registers; anything else takes the generic copy. */
+#define SPECIALISED(G, D)                                                                             \
+    if (group == G && dim == D) {                                                                     \
+        attend_one(qs, k_pool, v_pool, table, lens[s], os, G, kv_heads, block_size, D, h, scale, scores); \
+        continue;                                                                                     \
+    }
+            SPECIALISED(1, 64) SPECIALISED(2, 64) SPECIALISED(3, 64) SPECIALISED(4, 64)
+            SPECIALISED(5, 64) SPECIALISED(6, 64) SPECIALISED(7, 64) SPECIALISED(8, 64)
+            SPECIALISED(1, 128) SPECIALISED(2, 128) SPECIALISED(3, 128) SPECIALISED(4, 128)
+            SPECIALISED(5, 128) SPECIALISED(6, 128) SPECIALISED(7, 128) SPECIALISED(8, 128)
+#undef SPECIALISED
+            attend_one(qs, k_pool, v_pool, table, lens[s], os, group, kv_heads, block_size, dim, h, scale,
+                       scores);
         }
         free(scores);
     }
