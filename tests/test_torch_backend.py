@@ -122,3 +122,47 @@ def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
         query_lens_cpu=[1] * len(lens),
         seq_lens_cpu=lens,
     )
+
+
+def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attention():
+    """Two prompts of length 6 (one SDPA call), one of length 3, one later chunk after cached
+    context, and a decode, in one step: each equals causal attention over its own keys."""
+    g = torch.Generator().manual_seed(3)
+    blocks, bs, kvh, heads, d = 20, 4, 2, 4, 8
+    k_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
+    v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
+    seq_lens, q_lens = [6, 3, 6, 7, 5], [6, 3, 6, 2, 1]
+    tables = [[0, 1], [2, 9], [3, 4], [5, 6], [7, 8]]  # block 9: padding, never read
+    keys, values = [], []
+    for n, table in zip(seq_lens, tables, strict=True):
+        k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
+        for pos in range(n):
+            k_cache[table[pos // bs], pos % bs], v_cache[table[pos // bs], pos % bs] = k[pos], v[pos]
+        keys.append(k)
+        values.append(v)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    q = torch.randn(sum(q_lens), heads, d, generator=g)
+    for backend in (TorchBackend(), TorchBackend(decode_kernel=True)):
+        out = backend.attend(q, k_cache, v_cache, meta, scale=d**-0.5)
+        start = 0
+        for k, v, n, m in zip(keys, values, seq_lens, q_lens, strict=True):
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[n - m :]  # the last m queries
+            ref = F.scaled_dot_product_attention(
+                q[start : start + m].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                scale=d**-0.5,
+                enable_gqa=True,
+            ).transpose(0, 1)
+            torch.testing.assert_close(out[start : start + m], ref)
+            start += m
