@@ -26,7 +26,16 @@ BATCH_HINT = 64
 def can_pack(linear: nn.Linear) -> bool:
     w = linear.weight
     on_cpu = w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-    return on_cpu and w.dtype in (torch.float32, torch.bfloat16)
+    return on_cpu and w.dtype in (torch.float32, torch.bfloat16) and _have_ops()
+
+
+def _have_ops() -> bool:
+    """The two ops are the ones inductor's CPU freezing pass emits, not public API: a torch build
+    without them keeps plain `nn.Linear` instead of failing at load."""
+    try:
+        return all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class PackedLinear(nn.Module):
