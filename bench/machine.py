@@ -9,7 +9,6 @@ two products) a forward pass must do; norms, activations and softmax are not cou
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mm_engine.model import feature_layers, tokens_per_image
+from mm_engine.packed_linear import PackedLinear, can_pack
 
 
 def _best_seconds(fn, reps: int) -> float:
@@ -40,10 +40,10 @@ def matmul_flops_per_s(sizes: tuple[int, ...] = (1024, 2048, 3072), reps: int = 
         a, b = torch.randn(n, n), torch.randn(n, n)
         out = torch.empty(n, n)
         best = max(best, 2 * n**3 / _best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps))
-        if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-            run = functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
-            best = max(best, 2 * n**3 / _best_seconds(run, reps))
+        linear = torch.nn.Linear(n, n, bias=False)
+        if can_pack(linear):
+            packed = PackedLinear(linear)
+            best = max(best, 2 * n**3 / _best_seconds(lambda a=a, packed=packed: packed(a), reps))
     return best
 
 

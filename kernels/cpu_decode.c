@@ -17,6 +17,14 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
+/* Ask for the run of the sequence's next block (if any) while this one is being read. */
+static inline void prefetch_next_run(const float *pool, const int32_t *table, int start, int len,
+                                     int block_size, int kv_heads, int head, int64_t run) {
+    if (start + block_size >= len) return;
+    const float *next = pool + ((int64_t)table[start / block_size + 1] * kv_heads + head) * run;
+    for (int64_t off = 0; off < run; off += 16) __builtin_prefetch(next + off);
+}
+
 static inline __attribute__((always_inline)) void attend_one(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                        int len, float *out, int group, int kv_heads, int block_size, int dim, int head,
                        float scale, float *scores) {
@@ -29,10 +37,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
     }
     for (int start = 0; start < len; start += block_size) {
         const float *k = k_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
-        if (start + block_size < len) {
-            const int64_t next = ((int64_t)table[start / block_size + 1] * kv_heads + head) * run;
-            for (int64_t off = 0; off < run; off += 16) __builtin_prefetch(k_pool + next + off);
-        }
+        prefetch_next_run(k_pool, table, start, len, block_size, kv_heads, head, run);
         const int n = len - start < block_size ? len - start : block_size;
         for (int i = 0; i < n; i++) {
             for (int g = 0; g < group; g++) {
@@ -57,10 +62,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
     }
     for (int start = 0; start < len; start += block_size) {
         const float *v = v_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
-        if (start + block_size < len) {
-            const int64_t next = ((int64_t)table[start / block_size + 1] * kv_heads + head) * run;
-            for (int64_t off = 0; off < run; off += 16) __builtin_prefetch(v_pool + next + off);
-        }
+        prefetch_next_run(v_pool, table, start, len, block_size, kv_heads, head, run);
         const int n = len - start < block_size ? len - start : block_size;
         for (int i = 0; i < n; i++) {
             for (int g = 0; g < group; g++) {

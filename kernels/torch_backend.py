@@ -111,10 +111,9 @@ class TorchBackend:
         n_blocks = -(-seq_len // block_size)
         k = self._gather(k_cache, meta.block_tables[i : i + 1], n_blocks)[0, :, :seq_len]
         v = self._gather(v_cache, meta.block_tables[i : i + 1], n_blocks)[0, :, :seq_len]
-        mask, causal = None, False
-        if q_len == seq_len:
-            causal = q_len > 1
-        else:
+        # Whole prompts went to `_whole_prompts`; here q_len < seq_len, or a lone one-token prompt.
+        mask = None
+        if q_len < seq_len:
             # Query j sits at position seq_len - q_len + j and may see keys up to there.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -123,7 +122,6 @@ class TorchBackend:
             k,
             v,
             attn_mask=mask,
-            is_causal=causal,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )

@@ -15,6 +15,8 @@ and 2.4x on the 49152-wide LM head at 64 rows. Results differ from MKL's only in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ def can_pack(linear: nn.Linear) -> bool:
     return on_cpu and w.dtype in (torch.float32, torch.bfloat16) and _have_ops()
 
 
+@functools.cache
 def _have_ops() -> bool:
     """The two ops are the ones inductor's CPU freezing pass emits, not public API: a torch build
     without them keeps plain `nn.Linear` instead of failing at load."""

@@ -26,24 +26,8 @@ def test_batched_decode_matches_per_sequence_attention_with_garbage_in_unused_sl
         v_cache = torch.full((blocks, bs, kvh, d), float("inf"))
     lens = [5, 11, 1]
     tables = [[3, 7], [0, 9, 4], [11]]
-    keys, values = [], []
-    for n, table in zip(lens, tables, strict=True):
-        k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
-        for pos in range(n):
-            k_cache[table[pos // bs], pos % bs], v_cache[table[pos // bs], pos % bs] = k[pos], v[pos]
-        keys.append(k)
-        values.append(v)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        max_query_len=1,
-        max_seq_len=max(lens),
-        query_lens_cpu=[1] * len(lens),
-        seq_lens_cpu=lens,
-    )
+    keys, values = _fill(k_cache, v_cache, lens, tables, g)
+    meta = _meta(lens, [1] * len(lens), tables)
     q = torch.randn(len(lens), heads, d, generator=g)
     out = TorchBackend().attend(q, k_cache, v_cache, meta, scale=d**-0.5)
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -78,13 +62,10 @@ def test_c_decode_kernel_matches_the_torch_path(heads, kvh, d):
     k_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
     v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
     lens, tables = [5, 13, 1, 8], [[3, 7], [0, 9, 4, 20], [11], [30, 31]]
-    for n, table in zip(lens, tables, strict=True):
-        for pos in range(n):
-            slot = (table[pos // bs], pos % bs)
-            k_cache[slot], v_cache[slot] = torch.randn(kvh, d, generator=g), torch.randn(kvh, d, generator=g)
+    _fill(k_cache, v_cache, lens, tables, g)
     q = torch.randn(len(lens), heads, d, generator=g)
     for picked in ([0, 1, 2, 3], [1]):
-        meta = _decode_meta([lens[i] for i in picked], [tables[i] for i in picked])
+        meta = _meta([lens[i] for i in picked], [1] * len(picked), [tables[i] for i in picked])
         want = TorchBackend().attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
         got = TorchBackend(decode_kernel=True).attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -101,7 +82,7 @@ def test_loading_the_c_kernel_leaves_the_process_floating_point_state_alone():
 def test_c_decode_kernel_declines_what_it_cannot_take():
     """Not float32, or not the pool's layout: None, and the backend falls back to torch."""
     cache = paged_kv_tensor(4, 4, 2, 8, torch.float32, "cpu").zero_()
-    meta = _decode_meta([3, 2], [[0], [1]])
+    meta = _meta([3, 2], [1, 1], [[0], [1]])
     q = torch.randn(2, 2, 8)
     assert cpu_decode.paged_decode(q.double(), cache, cache, meta.block_tables, meta.seq_lens, 3, 1.0) is None
     plain = torch.zeros(4, 4, 2, 8)  # token-major, contiguous
@@ -110,17 +91,30 @@ def test_c_decode_kernel_declines_what_it_cannot_take():
     assert torch.equal(out, torch.zeros_like(q))
 
 
-def _decode_meta(lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+def _fill(k_cache, v_cache, lens: list[int], tables: list[list[int]], g) -> tuple[list, list]:
+    """Random K/V for each sequence's first `len` slots through its table; returns them per sequence."""
+    bs, kvh, d = k_cache.shape[1:]
+    keys, values = [], []
+    for n, table in zip(lens, tables, strict=True):
+        k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
+        for pos in range(n):
+            k_cache[table[pos // bs], pos % bs], v_cache[table[pos // bs], pos % bs] = k[pos], v[pos]
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+def _meta(seq_lens: list[int], q_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     width = max(map(len, tables))
     return AttentionMetadata(
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        max_query_len=1,
-        max_seq_len=max(lens),
-        query_lens_cpu=[1] * len(lens),
-        seq_lens_cpu=lens,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
     )
 
 
@@ -133,23 +127,8 @@ def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attenti
     v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
     seq_lens, q_lens = [6, 3, 6, 7, 5], [6, 3, 6, 2, 1]
     tables = [[0, 1], [2, 9], [3, 4], [5, 6], [7, 8]]  # block 9: padding, never read
-    keys, values = [], []
-    for n, table in zip(seq_lens, tables, strict=True):
-        k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
-        for pos in range(n):
-            k_cache[table[pos // bs], pos % bs], v_cache[table[pos // bs], pos % bs] = k[pos], v[pos]
-        keys.append(k)
-        values.append(v)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-    )
+    keys, values = _fill(k_cache, v_cache, seq_lens, tables, g)
+    meta = _meta(seq_lens, q_lens, tables)
     q = torch.randn(sum(q_lens), heads, d, generator=g)
     for backend in (TorchBackend(), TorchBackend(decode_kernel=True)):
         out = backend.attend(q, k_cache, v_cache, meta, scale=d**-0.5)
