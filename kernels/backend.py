@@ -63,6 +63,6 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         return TritonBackend()
     from mm_engine.kernels.torch_backend import TorchBackend
 
-    # "cpu" is the torch path with decodes through the C kernel where it builds; "torch" is the
-    # plain reference.
-    return TorchBackend(decode_kernel=name == "cpu")
+    # "cpu" is the torch path with attention through the C kernels where they build; "torch" is
+    # the plain reference.
+    return TorchBackend(c_kernels=name == "cpu")

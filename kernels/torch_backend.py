@@ -2,11 +2,14 @@
 
 Decodes (one new token each) are done together: their K/V gathered through the block tables into
 one padded batch, one masked softmax over it. That keeps a step with a hundred decodes from making
-thirty times a hundred small attention calls (with `decode_kernel`, the C kernel in
-cpu_decode.c takes them instead). Prompts prefilled whole in this step are grouped by length, one
-causal `scaled_dot_product_attention` per group. Other prefill chunks (a later chunk of a prompt,
-or one after cached blocks) loop over their sequences, gather each one's K/V and run SDPA with a
-mask that lets the new tokens see the whole cached context and each other causally.
+thirty times a hundred small attention calls. Prompts prefilled whole in this step are grouped by
+length, one causal `scaled_dot_product_attention` per group. Other prefill chunks (a later chunk
+of a prompt, or one after cached blocks) loop over their sequences, gather each one's K/V and run
+SDPA with a mask that lets the new tokens see the whole cached context and each other causally.
+
+With `c_kernels` (the "cpu" backend) the C kernels take over where they build and apply: decodes
+through cpu_decode.c, every prefill chunk of the step in one call to cpu_prefill.c. Both read K/V
+in place from the pool; the prefill kernel also skips the causal triangle SDPA computes in full.
 """
 
 from __future__ import annotations
@@ -14,16 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mm_engine.kernels import cpu_decode
+from mm_engine.kernels import cpu_decode, cpu_prefill
 from mm_engine.kernels.metadata import AttentionMetadata
 
 
 class TorchBackend:
-    def __init__(self, decode_kernel: bool = False) -> None:
-        # With `decode_kernel`, batched decodes go through kernels/cpu_decode.c when it is built
-        # here and applies (float32, the pool's layout); otherwise through the torch code below.
-        self.decode_kernel = decode_kernel
-        self.name = "cpu" if decode_kernel else "torch"
+    def __init__(self, c_kernels: bool = False) -> None:
+        # With `c_kernels`, attention goes through kernels/cpu_*.c when they are built here and
+        # apply (float32 on CPU, a head size they take); otherwise through the torch code below.
+        self.c_kernels = c_kernels
+        self.name = "cpu" if c_kernels else "torch"
 
     def write_kv(
         self,
@@ -50,14 +53,16 @@ class TorchBackend:
         scale: float,
     ) -> torch.Tensor:
         num_heads = query.shape[1]
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         q_lens = meta.query_lens_cpu
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
         # One decode alone takes the plain path, unless the kernel is there to take it.
-        batched = set(decodes) if len(decodes) > 1 or self.decode_kernel else set()
+        batched = set(decodes) if len(decodes) > 1 or self.c_kernels else set()
         if batched:
             rows = meta.query_start_loc[:-1][decodes].long()
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, decodes, scale)
+        if self.c_kernels and self._prefill_kernel(query, out, k_cache, v_cache, meta, batched, scale):
+            return out
         start = 0
         whole: dict[int, list[tuple[int, int]]] = {}  # prompt length -> [(sequence, first row)]
         for i, (q_len, seq_len) in enumerate(zip(q_lens, meta.seq_lens_cpu, strict=True)):
@@ -72,6 +77,28 @@ class TorchBackend:
         for length, seqs in whole.items():
             self._whole_prompts(query, out, k_cache, v_cache, meta, length, seqs, scale)
         return out
+
+    @staticmethod
+    def _prefill_kernel(query, out, k_cache, v_cache, meta, batched: set[int], scale: float) -> bool:
+        """Every sequence not in `batched` through the C prefill kernel in one call, written into
+        `out`; False (nothing written) where the kernel does not apply."""
+        seqs = [i for i in range(meta.num_seqs) if i not in batched]
+        if not seqs:
+            return True
+        starts = meta.query_start_loc.tolist()
+        q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        got = cpu_prefill.paged_prefill(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables[seqs],
+            [starts[i] for i in seqs],
+            [q_lens[i] for i in seqs],
+            [seq_lens[i] for i in seqs],
+            scale,
+            out=out,
+        )
+        return got is not None
 
     def _whole_prompts(self, query, out, k_cache, v_cache, meta, length: int, seqs, scale: float) -> None:
         """Prompts of one length prefilled whole in this step (no cached context), in one causal
@@ -134,7 +161,7 @@ class TorchBackend:
         max_len = max(meta.seq_lens_cpu[i] for i in seqs)
         n_blocks = -(-max_len // block_size)
         tables = meta.block_tables[seqs]
-        if self.decode_kernel:
+        if self.c_kernels:
             out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, max_len, scale)
             if out is not None:
                 return out

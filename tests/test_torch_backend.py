@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_helpers import fill_pool, make_meta
 
-from mm_engine.kernels import cpu_decode
-from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels import cpu_build, cpu_decode
 from mm_engine.kernels.torch_backend import TorchBackend
 from mm_engine.pools.kv_cache import paged_kv_tensor
 
@@ -26,8 +26,8 @@ def test_batched_decode_matches_per_sequence_attention_with_garbage_in_unused_sl
         v_cache = torch.full((blocks, bs, kvh, d), float("inf"))
     lens = [5, 11, 1]
     tables = [[3, 7], [0, 9, 4], [11]]
-    keys, values = _fill(k_cache, v_cache, lens, tables, g)
-    meta = _meta(lens, [1] * len(lens), tables)
+    keys, values = fill_pool(k_cache, v_cache, lens, tables, g)
+    meta = make_meta(lens, [1] * len(lens), tables)
     q = torch.randn(len(lens), heads, d, generator=g)
     out = TorchBackend().attend(q, k_cache, v_cache, meta, scale=d**-0.5)
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -56,24 +56,24 @@ def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones():
 def test_c_decode_kernel_matches_the_torch_path(heads, kvh, d):
     """The "cpu" backend's C kernel against the plain torch path, over NaN-filled unused slots,
     lengths that end mid-block, one lone decode, and query/KV-head groupings from MHA to MQA."""
-    assert cpu_decode.load() is not None, "the C kernel must build where the tests run (cc on PATH)"
+    assert cpu_build.load() is not None, "the C kernel must build where the tests run (cc on PATH)"
     g = torch.Generator().manual_seed(2)
     blocks, bs = 40, 4
     k_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
     v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
     lens, tables = [5, 13, 1, 8], [[3, 7], [0, 9, 4, 20], [11], [30, 31]]
-    _fill(k_cache, v_cache, lens, tables, g)
+    fill_pool(k_cache, v_cache, lens, tables, g)
     q = torch.randn(len(lens), heads, d, generator=g)
     for picked in ([0, 1, 2, 3], [1]):
-        meta = _meta([lens[i] for i in picked], [1] * len(picked), [tables[i] for i in picked])
+        meta = make_meta([lens[i] for i in picked], [1] * len(picked), [tables[i] for i in picked])
         want = TorchBackend().attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
-        got = TorchBackend(decode_kernel=True).attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
+        got = TorchBackend(c_kernels=True).attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_loading_the_c_kernel_leaves_the_process_floating_point_state_alone():
     """Built with -ffast-math, a library can switch on flush-to-zero for the whole process."""
-    assert cpu_decode.load() is not None
+    assert cpu_build.load() is not None
     tiny = 5e-324  # the smallest subnormal double
     assert tiny * 1.0 > 0.0
     assert torch.tensor([1e-40]).mul(1.0).item() > 0.0  # a float32 subnormal
@@ -82,40 +82,13 @@ def test_loading_the_c_kernel_leaves_the_process_floating_point_state_alone():
 def test_c_decode_kernel_declines_what_it_cannot_take():
     """Not float32, or not the pool's layout: None, and the backend falls back to torch."""
     cache = paged_kv_tensor(4, 4, 2, 8, torch.float32, "cpu").zero_()
-    meta = _meta([3, 2], [1, 1], [[0], [1]])
+    meta = make_meta([3, 2], [1, 1], [[0], [1]])
     q = torch.randn(2, 2, 8)
     assert cpu_decode.paged_decode(q.double(), cache, cache, meta.block_tables, meta.seq_lens, 3, 1.0) is None
     plain = torch.zeros(4, 4, 2, 8)  # token-major, contiguous
     assert cpu_decode.paged_decode(q, plain, plain, meta.block_tables, meta.seq_lens, 3, 1.0) is None
-    out = TorchBackend(decode_kernel=True).attend(q, plain, plain, meta, scale=1.0)
+    out = TorchBackend(c_kernels=True).attend(q, plain, plain, meta, scale=1.0)
     assert torch.equal(out, torch.zeros_like(q))
-
-
-def _fill(k_cache, v_cache, lens: list[int], tables: list[list[int]], g) -> tuple[list, list]:
-    """Random K/V for each sequence's first `len` slots through its table; returns them per sequence."""
-    bs, kvh, d = k_cache.shape[1:]
-    keys, values = [], []
-    for n, table in zip(lens, tables, strict=True):
-        k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
-        for pos in range(n):
-            k_cache[table[pos // bs], pos % bs], v_cache[table[pos // bs], pos % bs] = k[pos], v[pos]
-        keys.append(k)
-        values.append(v)
-    return keys, values
-
-
-def _meta(seq_lens: list[int], q_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
-    width = max(map(len, tables))
-    return AttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-    )
 
 
 def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attention():
@@ -127,10 +100,10 @@ def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attenti
     v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
     seq_lens, q_lens = [6, 3, 6, 7, 5], [6, 3, 6, 2, 1]
     tables = [[0, 1], [2, 9], [3, 4], [5, 6], [7, 8]]  # block 9: padding, never read
-    keys, values = _fill(k_cache, v_cache, seq_lens, tables, g)
-    meta = _meta(seq_lens, q_lens, tables)
+    keys, values = fill_pool(k_cache, v_cache, seq_lens, tables, g)
+    meta = make_meta(seq_lens, q_lens, tables)
     q = torch.randn(sum(q_lens), heads, d, generator=g)
-    for backend in (TorchBackend(), TorchBackend(decode_kernel=True)):
+    for backend in (TorchBackend(), TorchBackend(c_kernels=True)):
         out = backend.attend(q, k_cache, v_cache, meta, scale=d**-0.5)
         start = 0
         for k, v, n, m in zip(keys, values, seq_lens, q_lens, strict=True):
