@@ -15,8 +15,11 @@ transformers, engine (A-B-A); the engine's figure is the mean of its two runs.
 Figures: images/s and output tokens/s of both and their ratio, peak RSS of both, and the fraction
 of the compute floor: the FLOPs the job needs (bench.machine; for chat the image and the shared
 prompt prefix count once per image, since that is all the work the job requires) divided by wall
-time x this machine's fp32 matmul rate, measured in the same run. A sample of requests is checked
-to produce the same greedy tokens on both sides.
+time x this machine's fp32 matmul rate. That rate is measured inside each run's process just
+before and just after its timed job, and each run is held to the mean of its own two (the
+machine's speed drifts by 15-40% over minutes here); the rate measured once at the start is kept
+in the JSON as `matmul_gflops_per_s`. A sample of requests is checked to produce the same greedy
+tokens on both sides.
 """
 
 from __future__ import annotations
@@ -80,7 +83,9 @@ def sweep_hf(job: Job, workload: str) -> tuple[int, dict[int, float]]:
         if per_batch > job.num_images:
             break
         sub = [r for r in job.requests if r[0] < per_batch][:bs]
-        res = run_in_child(hf_run, Job(**{**job.__dict__, "requests": sub, "hf_batch_size": bs}))
+        # (no rate measurement: only the ranking of the sizes counts here)
+        trial = Job(**{**job.__dict__, "requests": sub, "hf_batch_size": bs, "rate_sizes": ()})
+        res = run_in_child(hf_run, trial)
         rates[bs] = per_batch / res["seconds"]
         print(f"  transformers sweep: batch {bs:3d} -> {rates[bs]:.2f} images/s", flush=True)
     return max(rates, key=rates.get), rates
@@ -108,7 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="time the engine's phases (scheduling, ...)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--model", default=None, help="a LLaVA checkpoint (default: bench.vlm's, built once)")
+    ap.add_argument(
+        "--rate-sizes", default="1024,2048,3072", help="square matmul sizes the fp32 rate is measured at"
+    )
     args = ap.parse_args(argv)
+    rate_sizes = tuple(int(n) for n in args.rate_sizes.split(","))
     if args.num_images is None:
         # Chat at 64 images is 256 long answers: transformers alone would take ~15 minutes here.
         args.num_images = 64 if args.workload == "caption" else 16
@@ -121,9 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
     }
-    job = Job(model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile)
+    job = Job(
+        model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile,
+        rate_sizes=rate_sizes,
+    )  # fmt: skip
     started = time.perf_counter()
-    peak = matmul_flops_per_s()
+    peak = matmul_flops_per_s(rate_sizes)
     print(f"fp32 matmul rate: {peak / 1e9:.1f} GFLOP/s ({args.threads} threads)", flush=True)
     ours = run_in_child(engine_run, job)
     print(f"  mm-engine: {ours['seconds']:.1f} s", flush=True)
@@ -139,9 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  mm-engine again: {again['seconds']:.1f} s", flush=True)
     engine_runs = [ours["seconds"], again["seconds"]]
     ours["seconds"] = sum(engine_runs) / 2
+    engine_rates = [sum(r["matmul_flops_per_s"]) / 2 for r in (ours, again)]
+    hf_rate = sum(hf["matmul_flops_per_s"]) / 2
     same, compared = compare(ours["tokens"], hf["tokens"], args.check)
     flops = LlavaFlops.from_config(AutoConfig.from_pretrained(model))
     floor = floor_flops(flops, requests, ours["prompt_ids"])
+    # Each run against the rate measured next to it; the engine's is the mean of its two runs.
+    fractions = [floor / (t * r) for t, r in zip(engine_runs, engine_rates, strict=True)]
     out_tokens = sum(n for _, _, n in requests)
     result = {
         "workload": args.workload,
@@ -153,10 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_output_tokens_per_s": out_tokens / ours["seconds"],
         "hf_output_tokens_per_s": out_tokens / hf["seconds"],
         "throughput_ratio": hf["seconds"] / ours["seconds"],
-        "compute_floor_fraction": floor / (ours["seconds"] * peak),
-        "hf_compute_floor_fraction": floor / (hf["seconds"] * peak),
+        "compute_floor_fraction": sum(fractions) / 2,
+        "hf_compute_floor_fraction": floor / (hf["seconds"] * hf_rate),
+        "compute_floor_fraction_at_start_rate": floor / (ours["seconds"] * peak),
         "floor_tflops": floor / 1e12,
         "matmul_gflops_per_s": peak / 1e9,
+        "engine_run_matmul_gflops_per_s": [r / 1e9 for r in engine_rates],
+        "hf_run_matmul_gflops_per_s": hf_rate / 1e9,
         "engine_peak_rss_mib": ours["peak_rss_mib"],
         "hf_peak_rss_mib": hf["peak_rss_mib"],
         "engine_seconds": ours["seconds"],
@@ -200,6 +219,13 @@ def print_table(r: dict) -> None:
         f"{r['hf_peak_rss_mib']:.0f} |"
     )
     print(f"| ratio | {r['throughput_ratio']:.2f}x | {r['throughput_ratio']:.2f}x | | |")
+    if "engine_run_matmul_gflops_per_s" in r:
+        rates = ", ".join(f"{g:.0f}" for g in r["engine_run_matmul_gflops_per_s"])
+        print(
+            f"\nmatmul rate next to each run (GFLOP/s): mm-engine {rates}; transformers "
+            f"{r['hf_run_matmul_gflops_per_s']:.0f}. At the start-of-run rate alone the engine's "
+            f"floor fraction reads {r['compute_floor_fraction_at_start_rate']:.1%}."
+        )
     print(f"\ntokens identical on sampled requests: {r['tokens_identical']}")
     if "profile_shares" in r:
         shares = ", ".join(

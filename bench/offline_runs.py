@@ -4,6 +4,9 @@ own: mm-engine's `LLM.generate` and transformers' `LlavaForConditionalGeneration
 A run gets the model path and the requests (image index, prompt, output length), loads, warms up
 on one short request (first-call costs of the matmul library are nobody's throughput), then times
 the whole job, image preprocessing included, and returns the tokens, the seconds and the peak RSS.
+It also measures the machine's matmul rate just before and just after the job, in the same
+process: on a shared machine whose speed drifts by 15-40% over minutes, the rate next to the run
+is the one its compute-floor fraction should be taken against.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import vlm
+from bench.machine import matmul_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class Job:
     engine_args: dict
     hf_batch_size: int = 8
     profile: bool = False
+    rate_sizes: tuple[int, ...] = (1024, 2048, 3072)  # matmul sizes of the rate measured next to a run
 
 
 def run_in_child(fn, job: Job) -> dict:
@@ -52,11 +57,13 @@ def engine_run(job: Job) -> dict:
     prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in job.requests]
     timers = _profile(llm.engine) if job.profile else None
+    rate_before = matmul_flops_per_s(job.rate_sizes)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     result = {
         "seconds": seconds,
+        "matmul_flops_per_s": [rate_before, matmul_flops_per_s(job.rate_sizes)],
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "prompt_ids": [list(o.prompt_token_ids) for o in outs],
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
@@ -97,12 +104,15 @@ def hf_run(job: Job) -> dict:
         warm_inputs = processor(text=[vlm.CAPTION_PROMPT], images=[vlm.noise_image(0)], return_tensors="pt")
         model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
     bs = job.hf_batch_size
+    rate_before = matmul_flops_per_s(job.rate_sizes)
     start = time.perf_counter()
     tokens = []
     for k in range(0, len(job.requests), bs):
         tokens += generate(job.requests[k : k + bs])
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": tokens, "peak_rss_mib": _peak_rss_mib()}
+    rates = [rate_before, matmul_flops_per_s(job.rate_sizes)]
+    peak = _peak_rss_mib()
+    return {"seconds": seconds, "tokens": tokens, "peak_rss_mib": peak, "matmul_flops_per_s": rates}
 
 
 def _profile(engine) -> dict[str, float]:

@@ -52,13 +52,15 @@ def test_flop_counts_match_torch_flop_counter(fixture, request):
 def test_offline_roofline_and_report_end_to_end(clip_llama, tmp_path, capsys):
     res = offline.main(
         ["--model", clip_llama, "--num-images", "3", "--hf-batch-size", "2", "--check", "3",
-         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--profile",
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--profile", "--rate-sizes", "128",
          "--json", str(tmp_path / "offline_caption.json")]
     )  # fmt: skip
     assert res["tokens_identical"] == "3/3"  # the same greedy tokens as transformers
     assert res["num_requests"] == 3 and res["output_tokens"] > 0
     assert res["throughput_ratio"] == pytest.approx(res["hf_seconds"] / res["engine_seconds"])
     assert res["compute_floor_fraction"] > 0 and res["hf_compute_floor_fraction"] > 0
+    # Each run is held to the matmul rate measured next to it, in its own process.
+    assert len(res["engine_run_matmul_gflops_per_s"]) == 2 and res["hf_run_matmul_gflops_per_s"] > 0
     assert set(res["profile_shares"]) >= {"vision", "prefill", "decode", "sampling", "scheduling"}
     assert sum(res["profile_shares"].values()) == pytest.approx(1.0)
     saved = json.loads((tmp_path / "offline_caption.json").read_text())
