@@ -14,7 +14,8 @@ KV layout (shared by every backend): per layer one K tensor and one V tensor of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ class AttentionMetadata:
     # Host copies, so a backend that loops over sequences never syncs with the device.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What a backend works out from the batch (which sequences are decodes, their index tensors),
+    # worked out by the first layer and kept here for the others: it is the same for all of them.
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -14,11 +14,41 @@ in place from the pool; the prefill kernel also skips the causal triangle SDPA c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from mm_engine.kernels import cpu_decode, cpu_prefill
 from mm_engine.kernels.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _Plan:
+    """How one step's batch splits, worked out once and shared by every layer."""
+
+    batched: set[int]  # sequences whose single new token goes through the batched decode
+    rows: torch.Tensor | None  # their query rows; None when they are all the rows, in order
+    lens: torch.Tensor  # int32 [len(batched)]: their lengths
+    max_len: int
+    tables: torch.Tensor  # int32 [len(batched), width]: their block tables
+    others: list[int]  # the remaining sequences, in order
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, c_kernels: bool) -> _Plan:
+        decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        # One decode alone takes the plain path, unless the kernel is there to take it.
+        if not (len(decodes) > 1 or c_kernels):
+            decodes = []
+        everything = len(decodes) == len(meta.query_lens_cpu)
+        return cls(
+            batched=set(decodes),
+            rows=None if everything else meta.query_start_loc[:-1][decodes].long(),
+            lens=meta.seq_lens[decodes].contiguous(),
+            max_len=max((meta.seq_lens_cpu[i] for i in decodes), default=0),
+            tables=meta.block_tables[decodes].contiguous(),
+            others=[i for i in range(meta.num_seqs) if i not in set(decodes)],
+        )
 
 
 class TorchBackend:
@@ -53,16 +83,18 @@ class TorchBackend:
         scale: float,
     ) -> torch.Tensor:
         num_heads = query.shape[1]
+        plan = meta.derived.get(self.name)
+        if plan is None:
+            plan = meta.derived[self.name] = _Plan.of(meta, self.c_kernels)
+        batched = plan.batched
+        if batched and plan.rows is None:  # every row is a decode, in order: no gather, no scatter
+            return self._decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        q_lens = meta.query_lens_cpu
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        # One decode alone takes the plain path, unless the kernel is there to take it.
-        batched = set(decodes) if len(decodes) > 1 or self.c_kernels else set()
         if batched:
-            rows = meta.query_start_loc[:-1][decodes].long()
-            out[rows] = self._decode(query[rows], k_cache, v_cache, meta, decodes, scale)
-        if self.c_kernels and self._prefill_kernel(query, out, k_cache, v_cache, meta, batched, scale):
+            out[plan.rows] = self._decode(query[plan.rows], k_cache, v_cache, plan, scale)
+        if self.c_kernels and self._prefill_kernel(query, out, k_cache, v_cache, meta, plan, scale):
             return out
+        q_lens = meta.query_lens_cpu
         start = 0
         whole: dict[int, list[tuple[int, int]]] = {}  # prompt length -> [(sequence, first row)]
         for i, (q_len, seq_len) in enumerate(zip(q_lens, meta.seq_lens_cpu, strict=True)):
@@ -79,10 +111,10 @@ class TorchBackend:
         return out
 
     @staticmethod
-    def _prefill_kernel(query, out, k_cache, v_cache, meta, batched: set[int], scale: float) -> bool:
-        """Every sequence not in `batched` through the C prefill kernel in one call, written into
-        `out`; False (nothing written) where the kernel does not apply."""
-        seqs = [i for i in range(meta.num_seqs) if i not in batched]
+    def _prefill_kernel(query, out, k_cache, v_cache, meta, plan: _Plan, scale: float) -> bool:
+        """Every sequence not batched as a decode through the C prefill kernel in one call, written
+        into `out`; False (nothing written) where the kernel does not apply."""
+        seqs = plan.others
         if not seqs:
             return True
         starts = meta.query_start_loc.tolist()
@@ -154,13 +186,11 @@ class TorchBackend:
         )
         return o.transpose(0, 1).to(q.dtype)
 
-    def _decode(self, q, k_cache, v_cache, meta, seqs: list[int], scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
         """One query token per sequence: q `[n, H, D]` -> `[n, H, D]`."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        lens = meta.seq_lens[seqs]
-        max_len = max(meta.seq_lens_cpu[i] for i in seqs)
+        lens, max_len, tables = plan.lens, plan.max_len, plan.tables
         n_blocks = -(-max_len // block_size)
-        tables = meta.block_tables[seqs]
         if self.c_kernels:
             out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, max_len, scale)
             if out is not None:
