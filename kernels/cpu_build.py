@@ -1,4 +1,5 @@
-"""The CPU attention kernels in C (`cpu_decode.c`, `cpu_prefill.c`): built once, loaded via ctypes.
+"""The CPU kernels in C (`cpu_decode.c`, `cpu_prefill.c`, `cpu_elementwise.c`): built once, loaded
+via ctypes.
 
 They are compiled on first use with the system C compiler (`cc`, or `$CC`) for this CPU into one
 library, cached under `~/.cache/mm-engine/kernels` (or `$MM_ENGINE_CACHE`), keyed by the sources,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c")]
 # -ffast-math compiles only: linked with it, the library would bring crtfastmath's start-up code,
 # which turns on flush-to-zero for the whole process (Python floats included).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -36,6 +37,8 @@ SIGNATURES = {
         *(_P, _I64, _P, _P, _P, _I32, _P),  # tables, starts, query and sequence lengths, n, out
         *(_I32, _I32, _I32, _I32, _F32, _I32, _I32),  # heads, kv heads, block, dim, scale, causal
     ],
+    "silu_and_mul": [_P, _I64, _P, _I64, _I64, _I32],
+    "gelu_tanh_": [_P, _I64, _I32],
 }
 
 
@@ -93,5 +96,5 @@ def load() -> ctypes.CDLL | None:
             _lib = lib
         except (OSError, subprocess.SubprocessError) as e:
             detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-500:]
-            log.warning("CPU attention kernels unavailable, using the torch path: %s %s", e, detail)
+            log.warning("CPU C kernels unavailable, using the torch path: %s %s", e, detail)
     return _lib  # type: ignore[return-value]

@@ -19,7 +19,7 @@ from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from mm_engine.cpu_memory import tune_malloc
 from mm_engine.detokenizer import IncrementalDetokenizer
 from mm_engine.inputs import InputProcessor, find_chat_template
-from mm_engine.kernels import cpu_prefill
+from mm_engine.kernels import cpu_elementwise, cpu_prefill
 from mm_engine.kernels.backend import get_backend
 from mm_engine.model_loader import load_config, load_model, resolve_model_path
 from mm_engine.model_runner import ModelRunner
@@ -100,8 +100,9 @@ class LLMEngine:
             config.max_waiting_requests,
         )
         backend = get_backend(config.attention_backend, self.device)
-        if backend.name == "cpu":
-            cpu_prefill.use_for_vision(self.model.vision_tower)  # the C kernel, bidirectional
+        if backend.name == "cpu":  # the C kernels beyond attention too
+            cpu_prefill.use_for_vision(self.model.vision_tower)  # bidirectional attention
+            cpu_elementwise.use_fused_activations(self.model)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

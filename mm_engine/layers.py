@@ -7,6 +7,8 @@ checkpoint itself (Qwen2 has q/k/v biases, Llama may have `attention_bias`), not
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,6 +119,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
         self.gate_up_proj: nn.Linear | None = None
+        # A fused act(gate) * up over the fused projection's output, or None where it does not
+        # apply (kernels/cpu_elementwise.py sets it on CPU); None: the two torch ops.
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def fuse(self) -> None:
         self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
@@ -124,7 +129,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            fused = self.act_and_mul(gate_up) if self.act_and_mul is not None else None
+            if fused is not None:
+                return self.down_proj(fused)
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act(gate) * up)
