@@ -36,7 +36,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
     cpu_tune_malloc: bool = True  # CPU: keep freed tensor memory in glibc's heap (mm_engine.cpu_memory)
-    cpu_huge_pages: bool = True  # CPU: the KV pool on transparent huge pages (mm_engine.cpu_memory)
+    cpu_huge_pages: bool = False  # CPU: the KV pool on transparent huge pages (mm_engine.cpu_memory)
     scheduling_policy: str = "priority"  # or "fcfs"
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
     max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less

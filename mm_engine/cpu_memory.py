@@ -12,7 +12,9 @@ RSS stays near its peak.
 The KV pool is read in 4 KiB runs scattered over GiBs: with 4 KiB pages nearly every run is a TLB
 miss. `huge_page_empty` allocates it with transparent huge pages (2 MiB) asked for by madvise,
 which Linux grants in its default "madvise" mode: batch-32 and batch-8 decode steps on the
-benchmark model took 5-18% less time.
+benchmark model took 5-18% less time. The first write to each huge page costs more (2 MiB zeroed,
+and compaction where memory is fragmented): a fresh engine's caption job spent 1.8 s instead of
+0.8 s writing K/V. So it is opt-in (`cpu_huge_pages`), for servers whose pool stays warm.
 """
 
 from __future__ import annotations
