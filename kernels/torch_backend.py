@@ -57,6 +57,9 @@ class TorchBackend:
         # apply (float32 on CPU, a head size they take); otherwise through the torch code below.
         self.c_kernels = c_kernels
         self.name = "cpu" if c_kernels else "torch"
+        # The step's slot mapping and what write_kv derives from it, kept for the other layers
+        # (every layer of a step is handed the same tensor).
+        self._slots: tuple[torch.Tensor, torch.Tensor | None, tuple] | None = None
 
     def write_kv(
         self,
@@ -67,10 +70,15 @@ class TorchBackend:
         slot_mapping: torch.Tensor,
     ) -> None:
         block_size = k_cache.shape[1]
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        where = (slot_mapping // block_size, slot_mapping % block_size)  # any cache strides
+        if self._slots is None or self._slots[0] is not slot_mapping or self._slots[2][2] != block_size:
+            keep = slot_mapping >= 0
+            kept = None if bool(keep.all()) else keep
+            slots = slot_mapping if kept is None else slot_mapping[kept]
+            self._slots = (slot_mapping, kept, (slots // block_size, slots % block_size, block_size))
+        _, kept, (blocks, offsets, _) = self._slots
+        if kept is not None:
+            key, value = key[kept], value[kept]
+        where = (blocks, offsets)  # any cache strides
         k_cache.index_put_(where, key.to(k_cache.dtype))
         v_cache.index_put_(where, value.to(v_cache.dtype))
 
