@@ -54,13 +54,51 @@ static inline const float *kv_row(const kv_t *kv, const float *base, int seq, in
     return base + block * kv->block_stride + head * kv->head_stride + (pos % kv->block_size) * kv->slot_stride;
 }
 
-/* kt[d * kpad + j] = key j's dim d for j < len, zeros up to kpad. */
+#if defined(__GNUC__) && !defined(__clang__)
+typedef int ivec __attribute__((vector_size(64)));
+/* A 16 x 16 transpose in four butterfly stages: at stage h, rows i and i + h (i & h == 0) swap
+ * their off-diagonal h x h blocks, each output one two-source shuffle (vpermt2ps on AVX-512). */
+#define SWAP_BLOCKS(H, LO, HI)                                                                  \
+    for (int i = 0; i < LANES; i++)                                                             \
+        if (!(i & H)) {                                                                         \
+            const vec a = r[i], b = r[i + H];                                                   \
+            r[i] = __builtin_shuffle(a, b, (ivec)LO), r[i + H] = __builtin_shuffle(a, b, (ivec)HI); \
+        }
+static inline void transpose16(vec r[LANES]) {
+    SWAP_BLOCKS(8, ((ivec){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                ((ivec){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    SWAP_BLOCKS(4, ((ivec){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                ((ivec){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    SWAP_BLOCKS(2, ((ivec){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                ((ivec){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    SWAP_BLOCKS(1, ((ivec){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                ((ivec){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+}
+#undef SWAP_BLOCKS
+#define HAVE_TRANSPOSE16 1
+#endif
+
+/* kt[d * kpad + j] = key j's dim d for j < len, zeros up to kpad (a multiple of LANES). */
 static void transpose_keys(const kv_t *kv, int seq, int head, int len, int64_t kpad, float *kt) {
+#ifdef HAVE_TRANSPOSE16
+    static const float zeros[LANES] = {0};
+    for (int j0 = 0; j0 < kpad; j0 += LANES) {
+        const float *rows[LANES];
+        for (int i = 0; i < LANES; i++) rows[i] = j0 + i < len ? kv_row(kv, kv->k, seq, head, j0 + i) : NULL;
+        for (int d0 = 0; d0 < kv->dim; d0 += LANES) {
+            vec r[LANES];
+            for (int i = 0; i < LANES; i++) r[i] = rows[i] ? load(rows[i] + d0) : load(zeros);
+            transpose16(r);
+            for (int d = 0; d < LANES; d++) store(kt + (d0 + d) * kpad + j0, r[d]);
+        }
+    }
+#else
     for (int j = 0; j < len; j++) {
         const float *row = kv_row(kv, kv->k, seq, head, j);
         for (int d = 0; d < kv->dim; d++) kt[d * kpad + j] = row[d];
     }
     for (int d = 0; d < kv->dim; d++) memset(kt + d * kpad + len, 0, sizeof(float) * (kpad - len));
+#endif
 }
 
 /* s[r * ss + j ..] = scale * q_r . keys j .. j + KEYS (j + LANES when that passes n_keys), for
