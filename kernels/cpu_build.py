@@ -39,6 +39,8 @@ SIGNATURES = {
     ],
     "silu_and_mul": [_P, _I64, _P, _I64, _I64, _I32],
     "gelu_tanh_": [_P, _I64, _I32],
+    "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
+    "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],
 }
 
 

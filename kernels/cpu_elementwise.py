@@ -1,9 +1,10 @@
-"""Fused activations in C (`cpu_elementwise.c`) for the CPU path, called via ctypes: SiLU-and-
-multiply for the decoder MLPs and an in-place tanh-GELU for a SigLIP vision tower's MLPs.
+"""Fused elementwise passes in C (`cpu_elementwise.c`) for the CPU path, called via ctypes:
+SiLU-and-multiply for the decoder MLPs, an in-place tanh-GELU for a SigLIP vision tower's MLPs,
+RMSNorm with the residual add folded in, and rotary embedding in place.
 
-`use_fused_activations(model)` switches a loaded model over (the engine does it for the "cpu"
-backend); every call still falls back to torch where the kernel does not apply (not built, not
-float32 on CPU, an odd layout).
+`use_c_kernels(model)` switches a loaded model over (the engine does it for the "cpu" backend);
+every call still falls back to torch where the kernel does not apply (not built, not float32 on
+CPU, an odd layout).
 """
 
 from __future__ import annotations
@@ -17,6 +18,52 @@ from mm_engine.kernels import cpu_build
 
 def _applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(s, rms_norm(s) * weight)` over the last dim, where s is x, or x + delta (a new tensor);
+    None where the kernel does not apply."""
+    lib = cpu_build.load()
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if lib is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return None
+    if not all(t.is_contiguous() for t in tensors) or (delta is not None and delta.shape != x.shape):
+        return None
+    cols = x.shape[-1]
+    out = torch.empty_like(x)
+    s = x if delta is None else torch.empty_like(x)
+    d_ptr = None if delta is None else delta.data_ptr()
+    rows = x.numel() // max(cols, 1)
+    lib.rms_norm(
+        x.data_ptr(),
+        d_ptr,
+        s.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        cols,
+        eps,
+        torch.get_num_threads(),
+    )
+    return s, out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate `x` `[tokens, heads, head_dim]` in place (rotate_half layout; rows may be a view into
+    a wider projection output) by cos, sin `[tokens, 1, head_dim // 2]`; False (x untouched) where
+    the kernel does not apply."""
+    lib = cpu_build.load()
+    if lib is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, cos, sin)):
+        return False
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    lib.rotary_(
+        x.data_ptr(), tokens, heads, x.stride(0), dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+    )
+    return True
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
@@ -43,14 +90,20 @@ class InplaceGeluTanh(nn.Module):
         return x
 
 
-def use_fused_activations(model: nn.Module) -> int:
-    """Route the decoder MLPs' SiLU-and-multiply and the vision MLPs' tanh-GELU through the C
-    kernels; returns how many MLPs were switched (none when the kernels cannot be built)."""
+def use_c_kernels(model: nn.Module) -> int:
+    """Route the decoder's norms, rotary and SiLU-and-multiply and the vision MLPs' tanh-GELU
+    through the C kernels; returns how many modules were switched (none when the kernels cannot be
+    built)."""
+    from mm_engine.layers import Attention, RMSNorm
+
     if cpu_build.load() is None:
         return 0
     count = 0
     for module in model.modules():
-        if isinstance(getattr(module, "act", None), SiLUActivation) and hasattr(module, "act_and_mul"):
+        if isinstance(module, (RMSNorm, Attention)):
+            module.c_kernels = True
+            count += 1
+        elif isinstance(getattr(module, "act", None), SiLUActivation) and hasattr(module, "act_and_mul"):
             module.act_and_mul = silu_and_mul  # mm_engine.layers.MLP
             count += 1
         elif isinstance(getattr(module, "activation_fn", None), GELUTanh) and hasattr(module, "fc2"):

@@ -102,7 +102,7 @@ class LLMEngine:
         backend = get_backend(config.attention_backend, self.device)
         if backend.name == "cpu":  # the C kernels beyond attention too
             cpu_prefill.use_for_vision(self.model.vision_tower)  # bidirectional attention
-            cpu_elementwise.use_fused_activations(self.model)
+            cpu_elementwise.use_c_kernels(self.model)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from mm_engine.kernels import cpu_elementwise
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 
@@ -24,8 +25,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.c_kernels = False  # kernels/cpu_elementwise.py: one C pass instead of torch's five ops
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + delta, norm(x + delta))`: the residual add and the next norm, one pass in C."""
+        if self.c_kernels:
+            fused = cpu_elementwise.rms_norm(x, self.weight, self.eps, delta)
+            if fused is not None:
+                return fused
+        x = x + delta
+        return x, self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.c_kernels:
+            fused = cpu_elementwise.rms_norm(x, self.weight, self.eps)
+            if fused is not None:
+                return fused[1]
         # torch's fused kernel: one pass and no temporaries instead of the pow/mean/rsqrt/mul
         # spelling, with bit-identical float32 output. Half inputs are normalised in float32 and
         # cast back before the weight, as the Hugging Face models do.
@@ -86,6 +101,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias["o_proj"])
         self.scale = head_dim**-0.5
         self.qkv_proj: nn.Linear | None = None
+        self.c_kernels = False  # kernels/cpu_elementwise.py: rotary in place, in C
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
@@ -98,8 +114,11 @@ class Attention(nn.Module):
         t, hd, h, kvh = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
-            # q and k sit side by side in the fused output: rotate them as one [t, h + kvh, hd] view.
-            qk = apply_rotary(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope)
+            # q and k sit side by side in the fused output: rotate them as one [t, h + kvh, hd] view
+            # (in place in C: nothing else reads the projection's output).
+            qk = qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd)
+            if not (self.c_kernels and cpu_elementwise.rotary_(qk, *rope)):
+                qk = apply_rotary(qk, rope)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * hd :]
         else:
             q = apply_rotary(self.q_proj(x).view(t, h, hd), rope)
@@ -164,8 +183,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x + self.mlp(h)
 
 
 class DecoderLM(nn.Module):

@@ -1,5 +1,6 @@
-"""The fused C activations (kernels/cpu_elementwise.c) against torch's, extremes included: a
--ffast-math reciprocal of an overflowed exp would be NaN."""
+"""The fused C passes (kernels/cpu_elementwise.c) against torch's: activations with extremes
+included (a -ffast-math reciprocal of an overflowed exp would be NaN), RMSNorm with and without
+the residual add, rotary in place on a view into the fused projection output."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mm_engine.kernels import cpu_build, cpu_elementwise
-from mm_engine.layers import MLP
+from mm_engine.layers import MLP, Attention, RMSNorm, apply_rotary
 
 EXTREMES = torch.tensor([100.0, -100.0, 1e-30, 0.0, -1e4, 1e4, 88.0, -88.0])
 
@@ -45,13 +46,43 @@ def test_gelu_tanh_in_place_matches_torch_and_falls_back_off_its_path():
     torch.testing.assert_close(strided, x.t())
 
 
-def test_fused_activations_switch_the_mlps_and_keep_their_outputs(siglip_qwen2):
+def test_rms_norm_with_and_without_the_residual_add_matches_torch():
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 5, 300):  # one thread below the kernel's threshold, both above it
+        x, delta = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
+        w = torch.rand(576, generator=g) + 0.5
+        s, out = cpu_elementwise.rms_norm(x, w, 1e-6, delta)
+        assert torch.equal(s, x + delta) and s is not x
+        torch.testing.assert_close(out, F.rms_norm(x + delta, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)
+        plain = cpu_elementwise.rms_norm(x, w, 1e-6)
+        assert plain[0] is x
+        torch.testing.assert_close(plain[1], F.rms_norm(x, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    assert cpu_elementwise.rms_norm(x.t(), w, 1e-6) is None  # not contiguous: torch's turn
+    assert cpu_elementwise.rms_norm(x.double(), w.double(), 1e-6) is None
+
+
+def test_rotary_in_place_on_the_fused_projection_view_matches_torch():
+    g = torch.Generator().manual_seed(5)
+    t, heads, kvh, d = 70, 4, 2, 64
+    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=g)
+    cos, sin = torch.randn(t, 1, d // 2, generator=g), torch.randn(t, 1, d // 2, generator=g)
+    qk = qkv[:, : (heads + kvh) * d].view(t, heads + kvh, d)
+    want, v_before = apply_rotary(qk, (cos, sin)), qkv[:, (heads + kvh) * d :].clone()
+    assert cpu_elementwise.rotary_(qk, cos, sin)
+    torch.testing.assert_close(qk, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(qkv[:, (heads + kvh) * d :], v_before)  # v, beside them, untouched
+    assert not cpu_elementwise.rotary_(qk.double(), cos.double(), sin.double())
+
+
+def test_c_kernels_switch_the_model_and_keep_its_outputs(siglip_qwen2):
     from mm_engine import LLM
 
     fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine.model
     plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine.model
     lm_mlps = [m for m in fast.modules() if isinstance(m, MLP)]
     assert lm_mlps and all(m.act_and_mul is cpu_elementwise.silu_and_mul for m in lm_mlps)
+    assert all(m.c_kernels for m in fast.modules() if isinstance(m, (RMSNorm, Attention)))
+    assert not any(m.c_kernels for m in plain.modules() if isinstance(m, (RMSNorm, Attention)))
     layers = fast.vision_tower.encoder.layers
     assert all(isinstance(layer.mlp.activation_fn, cpu_elementwise.InplaceGeluTanh) for layer in layers)
     assert not any(isinstance(m, cpu_elementwise.InplaceGeluTanh) for m in plain.modules())
