@@ -40,14 +40,14 @@ class _Plan:
         # One decode alone takes the plain path, unless the kernel is there to take it.
         if not (len(decodes) > 1 or c_kernels):
             decodes = []
-        everything = len(decodes) == len(meta.query_lens_cpu)
+        everything, batched = len(decodes) == len(meta.query_lens_cpu), set(decodes)
         return cls(
-            batched=set(decodes),
+            batched=batched,
             rows=None if everything else meta.query_start_loc[:-1][decodes].long(),
             lens=meta.seq_lens[decodes].contiguous(),
             max_len=max((meta.seq_lens_cpu[i] for i in decodes), default=0),
             tables=meta.block_tables[decodes].contiguous(),
-            others=[i for i in range(meta.num_seqs) if i not in set(decodes)],
+            others=[i for i in range(meta.num_seqs) if i not in batched],
         )
 
 
