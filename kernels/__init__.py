@@ -1,2 +1,3 @@
 """Attention backends: Triton paged attention (GPU), a torch path (the reference) and the CPU path
-(torch plus the C decode kernel in cpu_decode.c)."""
+(torch plus C kernels: decode and prefill attention in cpu_decode.c and cpu_prefill.c, and the
+fused elementwise passes of cpu_elementwise.c, built by cpu_build.py)."""

@@ -2,8 +2,8 @@
 
 A backend does two things per layer and step: write the new K/V into their slots, then compute
 attention of the new queries over each sequence's paged K/V. Models call only these two methods,
-so the torch path (CPU, reference), the CPU path (torch plus a C decode kernel) and the Triton path
-(GPU) are interchangeable.
+so the torch path (CPU, reference), the CPU path (torch plus C attention kernels) and the Triton
+path (GPU) are interchangeable.
 """
 
 from __future__ import annotations

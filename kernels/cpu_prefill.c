@@ -10,10 +10,11 @@
  *
  * The work: one unit per (sequence, KV head, tile of query tokens). A tile's rows are its tokens
  * times the group of query heads sharing that KV head, so every key and value read serves them all.
- *  1. Each (sequence, KV head)'s keys are first copied transposed, [dim][key], so that scoring a
- *     register tile of 4 rows x 32 keys is broadcast-multiply-adds with no horizontal sums.
+ *  1. Each (sequence, KV head)'s keys are first copied transposed, [dim][key] (16 x 16 tiles by
+ *     vector shuffles), so that scoring a register tile of 8 rows x 32 keys is broadcast-multiply-
+ *     adds with no horizontal sums.
  *  2. Scores for the keys the tile can see (causal: up to its last token), a softmax per row.
- *  3. Values: 4 rows x 64 dims of output held in registers over one pass of the visible keys.
+ *  3. Values: 6 rows x 64 dims of output held in registers over each run of 16 keys.
  * The causal triangle is skipped but for its diagonal tiles; SDPA on CPU computes it all.
  *
  * Built by kernels/cpu_build.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
