@@ -57,13 +57,10 @@ def engine_run(job: Job) -> dict:
     prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in job.requests]
     timers = _profile(llm.engine) if job.profile else None
-    rate_before = matmul_flops_per_s(job.rate_sizes)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    outs, seconds, rates = _timed(job, lambda: llm.generate(prompts, params))
     result = {
         "seconds": seconds,
-        "matmul_flops_per_s": [rate_before, matmul_flops_per_s(job.rate_sizes)],
+        "matmul_flops_per_s": rates,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "prompt_ids": [list(o.prompt_token_ids) for o in outs],
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
@@ -104,15 +101,25 @@ def hf_run(job: Job) -> dict:
         warm_inputs = processor(text=[vlm.CAPTION_PROMPT], images=[vlm.noise_image(0)], return_tensors="pt")
         model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
     bs = job.hf_batch_size
+    batches = range(0, len(job.requests), bs)
+    tokens, seconds, rates = _timed(
+        job, lambda: [t for k in batches for t in generate(job.requests[k : k + bs])]
+    )
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "peak_rss_mib": _peak_rss_mib(),
+        "matmul_flops_per_s": rates,
+    }
+
+
+def _timed(job: Job, fn):
+    """`(fn(), its seconds, [matmul rate just before, just after])`: the rate next to the run."""
     rate_before = matmul_flops_per_s(job.rate_sizes)
     start = time.perf_counter()
-    tokens = []
-    for k in range(0, len(job.requests), bs):
-        tokens += generate(job.requests[k : k + bs])
+    result = fn()
     seconds = time.perf_counter() - start
-    rates = [rate_before, matmul_flops_per_s(job.rate_sizes)]
-    peak = _peak_rss_mib()
-    return {"seconds": seconds, "tokens": tokens, "peak_rss_mib": peak, "matmul_flops_per_s": rates}
+    return result, seconds, [rate_before, matmul_flops_per_s(job.rate_sizes)]
 
 
 def _profile(engine) -> dict[str, float]:

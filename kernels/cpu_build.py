@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c")]
@@ -59,7 +61,7 @@ def _build(compiler: str) -> Path:
     setup = " ".join([compiler, *FLAGS, *LINK, _cpu_flags()]).encode()
     key = hashlib.sha256(sources + setup).hexdigest()[:16]
     root = Path(os.environ.get("MM_ENGINE_CACHE", Path.home() / ".cache" / "mm-engine")) / "kernels"
-    target = root / f"cpu_attention-{key}.so"
+    target = root / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     try:
@@ -80,6 +82,14 @@ def _build(compiler: str) -> Path:
 
 def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+
+def lib_for(*tensors) -> ctypes.CDLL | None:
+    """The library, when it is built and every tensor is a float32 CPU tensor (what the kernels
+    take); else None, and the caller keeps its torch path."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return load()
+    return None
 
 
 def load() -> ctypes.CDLL | None:

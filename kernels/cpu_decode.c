@@ -7,7 +7,7 @@
  * instead of being gathered into a padded copy first (which is what the torch path must do).
  * Slots at or past a sequence's length are never read, whatever they hold.
  *
- * Built by kernels/cpu_decode.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
+ * Built by kernels/cpu_build.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,13 +17,19 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
+/* The run (block_size x dim floats) of KV head `head` in the block holding position `start`. */
+static inline const float *block_run(const float *pool, const int32_t *table, int start, int block_size,
+                                     int kv_heads, int head, int64_t run) {
+    return pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
+}
+
 /* Ask for the run of the sequence's next block (if any) while this one is being read. Into L2
  * (prefetcht2), not L1: the 64 line requests then do not hold L1's few fill buffers, and over 30
  * layers of a batch-32 step read from DRAM the kernel went from 12-13 to 15-17 GB/s. */
 static inline void prefetch_next_run(const float *pool, const int32_t *table, int start, int len,
                                      int block_size, int kv_heads, int head, int64_t run) {
     if (start + block_size >= len) return;
-    const float *next = pool + ((int64_t)table[start / block_size + 1] * kv_heads + head) * run;
+    const float *next = block_run(pool, table, start + block_size, block_size, kv_heads, head, run);
     for (int64_t off = 0; off < run; off += 16) __builtin_prefetch(next + off, 0, 1);
 }
 
@@ -38,7 +44,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
         memset(acc[g], 0, sizeof(float) * dim);
     }
     for (int start = 0; start < len; start += block_size) {
-        const float *k = k_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
+        const float *k = block_run(k_pool, table, start, block_size, kv_heads, head, run);
         prefetch_next_run(k_pool, table, start, len, block_size, kv_heads, head, run);
         const int n = len - start < block_size ? len - start : block_size;
         for (int i = 0; i < n; i++) {
@@ -63,7 +69,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
         total[g] = sum;
     }
     for (int start = 0; start < len; start += block_size) {
-        const float *v = v_pool + ((int64_t)table[start / block_size] * kv_heads + head) * run;
+        const float *v = block_run(v_pool, table, start, block_size, kv_heads, head, run);
         prefetch_next_run(v_pool, table, start, len, block_size, kv_heads, head, run);
         const int n = len - start < block_size ? len - start : block_size;
         for (int i = 0; i < n; i++) {

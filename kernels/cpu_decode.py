@@ -22,11 +22,10 @@ def paged_decode(
 ) -> torch.Tensor | None:
     """Attention of one query per sequence, or None when the kernel does not apply here (not
     built, not float32, not the pool's layout); the caller then takes the torch path."""
-    lib = cpu_build.load()
-    by_head = (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
-    if lib is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        return None
-    if not (by_head[0].is_contiguous() and by_head[1].is_contiguous()):
+    lib = cpu_build.lib_for(q, k_cache, v_cache)
+    if lib is None or not (
+        k_cache.transpose(1, 2).is_contiguous() and v_cache.transpose(1, 2).is_contiguous()
+    ):
         return None
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape

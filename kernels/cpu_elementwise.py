@@ -16,20 +16,16 @@ from transformers.activations import GELUTanh, SiLUActivation
 from mm_engine.kernels import cpu_build
 
 
-def _applies(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`(s, rms_norm(s) * weight)` over the last dim, where s is x, or x + delta (a new tensor);
     None where the kernel does not apply."""
-    lib = cpu_build.load()
     tensors = (x, weight) if delta is None else (x, weight, delta)
-    if lib is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+    lib = cpu_build.lib_for(*tensors)
+    if lib is None or not all(t.is_contiguous() for t in tensors):
         return None
-    if not all(t.is_contiguous() for t in tensors) or (delta is not None and delta.shape != x.shape):
+    if delta is not None and delta.shape != x.shape:
         return None
     cols = x.shape[-1]
     out = torch.empty_like(x)
@@ -54,8 +50,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate `x` `[tokens, heads, head_dim]` in place (rotate_half layout; rows may be a view into
     a wider projection output) by cos, sin `[tokens, 1, head_dim // 2]`; False (x untouched) where
     the kernel does not apply."""
-    lib = cpu_build.load()
-    if lib is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, cos, sin)):
+    lib = cpu_build.lib_for(x, cos, sin)
+    if lib is None:
         return False
     tokens, heads, dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -69,8 +65,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """`[rows, 2 * cols]` (gate, up side by side) -> `silu(gate) * up` as `[rows, cols]`; None where
     the kernel does not apply."""
-    lib = cpu_build.load()
-    if lib is None or not _applies(x) or x.shape[1] % 2:
+    lib = cpu_build.lib_for(x)
+    if lib is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
         return None
     rows, cols = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, cols, dtype=x.dtype)
@@ -83,8 +79,8 @@ class InplaceGeluTanh(nn.Module):
     MLP's hidden activations, which nothing else reads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = cpu_build.load()
-        if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        lib = cpu_build.lib_for(x)
+        if lib is None or not x.is_contiguous():
             return nn.functional.gelu(x, approximate="tanh")
         lib.gelu_tanh_(x.data_ptr(), x.numel(), torch.get_num_threads())
         return x

@@ -271,11 +271,12 @@ int paged_prefill(const float *q, int64_t q_token_stride, int64_t q_head_stride,
                 transpose_keys(&job.kv, i, h, seq_lens[i], kpad, kt + kt_at[i] + h * kpad * dim);
             }
             float *s = malloc(sizeof(float) * ((int64_t)tile_rows * (kpad_max + dim) + dim));
-            float *acc = s + (int64_t)tile_rows * kpad_max, *zeros = acc + (int64_t)tile_rows * dim;
+            float *acc = NULL, *zeros = NULL; /* after the scores: the output rows, a zero row */
             if (!s) {
 #pragma omp atomic write
                 failed = 1;
             } else {
+                acc = s + (int64_t)tile_rows * kpad_max, zeros = acc + (int64_t)tile_rows * dim;
                 memset(zeros, 0, sizeof(float) * dim);
             }
 #pragma omp for schedule(dynamic, 1) collapse(2)

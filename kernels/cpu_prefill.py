@@ -17,10 +17,6 @@ from mm_engine.kernels import cpu_build
 NAME = "mm_engine_cpu"  # the vision tower's attention implementation, as transformers knows it
 
 
-def _applies(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
 def paged_prefill(
     query: torch.Tensor,  # [tokens, heads, dim], dim contiguous
     k_cache: torch.Tensor,  # [blocks, slots, kv_heads, dim], dim contiguous (any other strides)
@@ -37,8 +33,8 @@ def paged_prefill(
     with `causal` each sees the keys up to its own position, else all of them. Returns `[tokens,
     heads, dim]` (`out` when given, contiguous: only those sequences' rows are written), or None
     when the kernel does not apply."""
-    lib = cpu_build.load()
-    if lib is None or not _applies(query, k_cache, v_cache) or k_cache.stride() != v_cache.stride():
+    lib = cpu_build.lib_for(query, k_cache, v_cache)
+    if lib is None or k_cache.stride() != v_cache.stride():
         return None
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
         return None
@@ -87,7 +83,7 @@ def vision_attention(module, query, key, value, attention_mask, scaling=None, dr
     batch, heads, tokens, dim = query.shape
     plain = attention_mask is None and not dropout and not kwargs.get("is_causal")
     out = None
-    if plain and _applies(query, key, value) and key.shape == value.shape == query.shape:
+    if plain and cpu_build.lib_for(query, key, value) and key.shape == value.shape == query.shape:
         scale = dim**-0.5 if scaling is None else scaling
         per_image = [tokens] * batch
         tables = torch.arange(batch, dtype=torch.int32)[:, None]

@@ -33,6 +33,7 @@ class _Plan:
     max_len: int
     tables: torch.Tensor  # int32 [len(batched), width]: their block tables
     others: list[int]  # the remaining sequences, in order
+    others_args: tuple  # their (block tables, first rows, query lengths, lengths) for the C kernel
 
     @classmethod
     def of(cls, meta: AttentionMetadata, c_kernels: bool) -> _Plan:
@@ -41,13 +42,21 @@ class _Plan:
         if not (len(decodes) > 1 or c_kernels):
             decodes = []
         everything, batched = len(decodes) == len(meta.query_lens_cpu), set(decodes)
+        others = [i for i in range(meta.num_seqs) if i not in batched]
+        starts = meta.query_start_loc.tolist()
         return cls(
             batched=batched,
             rows=None if everything else meta.query_start_loc[:-1][decodes].long(),
             lens=meta.seq_lens[decodes].contiguous(),
             max_len=max((meta.seq_lens_cpu[i] for i in decodes), default=0),
             tables=meta.block_tables[decodes].contiguous(),
-            others=[i for i in range(meta.num_seqs) if i not in batched],
+            others=others,
+            others_args=(
+                meta.block_tables[others],
+                [starts[i] for i in others],
+                [meta.query_lens_cpu[i] for i in others],
+                [meta.seq_lens_cpu[i] for i in others],
+            ),
         )
 
 
@@ -58,8 +67,9 @@ class TorchBackend:
         self.c_kernels = c_kernels
         self.name = "cpu" if c_kernels else "torch"
         # The step's slot mapping and what write_kv derives from it, kept for the other layers
-        # (every layer of a step is handed the same tensor).
-        self._slots: tuple[torch.Tensor, torch.Tensor | None, tuple] | None = None
+        # (every layer of a step is handed the same tensor): (slot mapping, block size, the mask
+        # of slots kept or None for all, (block, offset) of each kept slot).
+        self._slots: tuple | None = None
 
     def write_kv(
         self,
@@ -70,15 +80,14 @@ class TorchBackend:
         slot_mapping: torch.Tensor,
     ) -> None:
         block_size = k_cache.shape[1]
-        if self._slots is None or self._slots[0] is not slot_mapping or self._slots[2][2] != block_size:
+        if self._slots is None or self._slots[0] is not slot_mapping or self._slots[1] != block_size:
             keep = slot_mapping >= 0
             kept = None if bool(keep.all()) else keep
             slots = slot_mapping if kept is None else slot_mapping[kept]
-            self._slots = (slot_mapping, kept, (slots // block_size, slots % block_size, block_size))
-        _, kept, (blocks, offsets, _) = self._slots
+            self._slots = (slot_mapping, block_size, kept, (slots // block_size, slots % block_size))
+        _, _, kept, where = self._slots  # where: (block, offset), for any cache strides
         if kept is not None:
             key, value = key[kept], value[kept]
-        where = (blocks, offsets)  # any cache strides
         k_cache.index_put_(where, key.to(k_cache.dtype))
         v_cache.index_put_(where, value.to(v_cache.dtype))
 
@@ -100,7 +109,7 @@ class TorchBackend:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if batched:
             out[plan.rows] = self._decode(query[plan.rows], k_cache, v_cache, plan, scale)
-        if self.c_kernels and self._prefill_kernel(query, out, k_cache, v_cache, meta, plan, scale):
+        if self.c_kernels and self._prefill_kernel(query, out, k_cache, v_cache, plan, scale):
             return out
         q_lens = meta.query_lens_cpu
         start = 0
@@ -119,26 +128,14 @@ class TorchBackend:
         return out
 
     @staticmethod
-    def _prefill_kernel(query, out, k_cache, v_cache, meta, plan: _Plan, scale: float) -> bool:
+    def _prefill_kernel(query, out, k_cache, v_cache, plan: _Plan, scale: float) -> bool:
         """Every sequence not batched as a decode through the C prefill kernel in one call, written
         into `out`; False (nothing written) where the kernel does not apply."""
-        seqs = plan.others
-        if not seqs:
+        if not plan.others:
             return True
-        starts = meta.query_start_loc.tolist()
-        q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
-        got = cpu_prefill.paged_prefill(
-            query,
-            k_cache,
-            v_cache,
-            meta.block_tables[seqs],
-            [starts[i] for i in seqs],
-            [q_lens[i] for i in seqs],
-            [seq_lens[i] for i in seqs],
-            scale,
-            out=out,
+        return (
+            cpu_prefill.paged_prefill(query, k_cache, v_cache, *plan.others_args, scale, out=out) is not None
         )
-        return got is not None
 
     def _whole_prompts(self, query, out, k_cache, v_cache, meta, length: int, seqs, scale: float) -> None:
         """Prompts of one length prefilled whole in this step (no cached context), in one causal

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 
@@ -61,15 +62,16 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # slack to align the start
     skip = -raw.data_ptr() % HUGE_PAGE
-    madvise = _libc_fn("madvise")
-    if madvise is not None and nbytes >= HUGE_PAGE:
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if madvise(raw.data_ptr() + skip, nbytes, _MADV_HUGEPAGE) != 0:
-            log.debug("madvise(MADV_HUGEPAGE) refused; the KV pool keeps normal pages")
+    madvise = _libc_fn("madvise") if nbytes >= HUGE_PAGE else None
+    start, length = ctypes.c_void_p(raw.data_ptr() + skip), ctypes.c_size_t(nbytes)
+    if madvise is not None and madvise(start, length, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused; the KV pool keeps normal pages")
     return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
+@functools.cache
 def _libc_fn(name: str):
+    """A libc function, looked up once (find_library runs ldconfig); None where there is none."""
     lib = ctypes.util.find_library("c")
     try:
         return getattr(ctypes.CDLL(lib), name, None) if lib else None
