@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 
-# The Triton interpreter must be chosen before triton is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton tests run on CPU tensors under the interpreter. On a machine with a GPU,
+# MM_ENGINE_TEST_DEVICE=cuda runs them compiled on the device instead (the rest of the suite stays
+# on CPU). The interpreter must be chosen before triton is first imported.
+TEST_DEVICE_NAME = os.environ.get("MM_ENGINE_TEST_DEVICE", "cpu")
+if TEST_DEVICE_NAME == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -14,6 +18,7 @@ from PIL import Image  # noqa: E402
 from tiny_checkpoint import build_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
+TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 
 @pytest.fixture(scope="session")

@@ -1,23 +1,34 @@
-"""End to end: the engine on the Triton backend (interpreted on CPU) gives transformers' tokens."""
+"""End to end: the engine on the Triton backend (interpreted on CPU, or on the GPU with
+MM_ENGINE_TEST_DEVICE=cuda, in float32 there too) gives transformers' tokens."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from conftest import make_image
+import torch
+from conftest import TEST_DEVICE, make_image
 
 from mm_engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs the Triton interpreter (tests/conftest.py sets it)",
+    os.environ.get("TRITON_INTERPRET") != "1" and TEST_DEVICE.type != "cuda",
+    reason="needs the Triton interpreter (tests/conftest.py sets it) or MM_ENGINE_TEST_DEVICE=cuda",
 )
 
 
 def test_triton_backend_matches_transformers(siglip_qwen2, ref_siglip_qwen2):
+    # The reference runs in float32 on the CPU; on a GPU, cuDNN's TF32 convolutions (the patch
+    # embedding) would round differently enough to flip a random model's near-tied tokens.
+    torch.backends.cudnn.allow_tf32 = False
     llm = LLM(
-        siglip_qwen2, attention_backend="triton", kv_cache_memory_bytes=4 * 1024**2, max_num_batched_tokens=16
+        siglip_qwen2,
+        attention_backend="triton",
+        kv_cache_memory_bytes=4 * 1024**2,
+        max_num_batched_tokens=16,
+        device=TEST_DEVICE.type,
+        dtype="float32",
+        vision_dtype="float32",
     )
     assert llm.engine.runner.backend.name == "triton"
     cases = [

@@ -1,26 +1,25 @@
-"""Triton paged-attention and KV-write kernels, run by the Triton interpreter on CPU tensors.
+"""Triton paged-attention and KV-write kernels, run by the Triton interpreter on CPU tensors, or
+compiled on a GPU with MM_ENGINE_TEST_DEVICE=cuda (tests/conftest.py).
 
 Every case compares against the plain reference below (gather K/V through the block table, repeat
-K/V heads for GQA, masked softmax in float32), never against another backend under test.
+K/V heads for GQA, masked softmax in float64 on the CPU), never against another backend under test.
 """
 
-import os
+import dataclasses
+import random
+from functools import cache
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import TEST_DEVICE
 
-import random  # noqa: E402
-from functools import cache  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from mm_engine.kernels.backend import get_backend  # noqa: E402
-from mm_engine.kernels.metadata import AttentionMetadata  # noqa: E402
-from mm_engine.kernels.triton_attention import paged_attention  # noqa: E402
-from mm_engine.kernels.triton_backend import TritonBackend, choose_num_splits  # noqa: E402
-from mm_engine.kernels.triton_kv_write import write_kv  # noqa: E402
+from mm_engine.kernels.backend import get_backend
+from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels.triton_attention import paged_attention
+from mm_engine.kernels.triton_backend import TritonBackend, choose_num_splits
+from mm_engine.kernels.triton_kv_write import write_kv
 
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -81,7 +80,16 @@ def make_batch(
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens,
     )
-    return query, k_cache, v_cache, meta
+    return query.to(TEST_DEVICE), k_cache.to(TEST_DEVICE), v_cache.to(TEST_DEVICE), on_device(meta)
+
+
+def on_device(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata's tensors moved to the test device (host lists stay)."""
+    moved = {
+        name: getattr(meta, name).to(TEST_DEVICE)
+        for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")
+    }
+    return dataclasses.replace(meta, **moved)
 
 
 def reference_attention(
@@ -93,25 +101,29 @@ def reference_attention(
 ) -> torch.Tensor:
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
-    out = torch.empty(query.shape, dtype=torch.float32)
+    out = torch.empty(query.shape, dtype=torch.float64)
+    tables = meta.block_tables.cpu()
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         pos = torch.arange(seq_len)
-        blocks = meta.block_tables[i, pos // block_size].long()
-        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)  # [seq, heads, d]
-        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        q = query[start : start + q_len].float()
+        blocks = tables[i, pos // block_size].long()
+        # Gather on the cache's device (a GPU cache can be gigabytes), compute on the CPU in float64.
+        k = k_cache[blocks.to(k_cache.device), (pos % block_size).to(k_cache.device)]
+        v = v_cache[blocks.to(v_cache.device), (pos % block_size).to(v_cache.device)]
+        k = k.cpu().double().repeat_interleave(group, dim=1)  # [seq, heads, d]
+        v = v.cpu().double().repeat_interleave(group, dim=1)
+        q = query[start : start + q_len].cpu().double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = seq_len - q_len + torch.arange(q_len)
         scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         start += q_len
-    return out
+    return out.float()
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    assert out.dtype == dtype and out.device.type == TEST_DEVICE.type
+    torch.testing.assert_close(out.float().cpu(), ref, **TOL[dtype])
 
 
 @triton.jit
@@ -124,8 +136,8 @@ def _bf16_dot_probe(x_ptr, out_ptr):
 @cache
 def interpreter_bf16_dot_works() -> bool:
     """Triton 3.8's interpreter stores bfloat16 as uint16 and multiplies those integers in tl.dot."""
-    x = torch.ones((16, 16), dtype=torch.bfloat16)
-    out = torch.empty((16, 16), dtype=torch.float32)
+    x = torch.ones((16, 16), dtype=torch.bfloat16, device=TEST_DEVICE)
+    out = torch.empty((16, 16), dtype=torch.float32, device=TEST_DEVICE)
     _bf16_dot_probe[(1,)](x, out)
     return bool((out == 16).all())
 
@@ -257,19 +269,22 @@ def test_write_kv(dtype: torch.dtype) -> None:
         if slot >= 0:
             k_expect.view(-1, num_kv_heads, head_dim)[slot] = key[t]
             v_expect.view(-1, num_kv_heads, head_dim)[slot] = value[t]
-    write_kv(key, value, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_expect)
-    assert torch.equal(v_cache, v_expect)
+    k_dev, v_dev = k_cache.to(TEST_DEVICE), v_cache.to(TEST_DEVICE)
+    qkv_dev = qkv.to(TEST_DEVICE)
+    key, value = qkv_dev[:, 4 : 4 + num_kv_heads], qkv_dev[:, 4 + num_kv_heads :]
+    write_kv(key, value, k_dev, v_dev, slots.to(TEST_DEVICE))
+    assert torch.equal(k_dev.cpu(), k_expect)
+    assert torch.equal(v_dev.cpu(), v_expect)
 
 
 def test_cache_beyond_int32_offsets() -> None:
     """Blocks past element 2^31 of a cache; torch.empty only commits the pages that get written."""
     block_size, head_dim = 16, 64
     num_blocks = 2**31 // (block_size * head_dim) + 8
-    cache = torch.empty((num_blocks, block_size, 1, head_dim), dtype=torch.float16)
+    cache = torch.empty((num_blocks, block_size, 1, head_dim), dtype=torch.float16, device=TEST_DEVICE)
     high = [num_blocks - 1, num_blocks - 3, num_blocks - 6]  # every element index above 2^31
     low = [0, 1, 2]
-    cache[high + low] = torch.randn((6, block_size, 1, head_dim)).half()
+    cache[high + low] = torch.randn((6, block_size, 1, head_dim)).half().to(TEST_DEVICE)
     table = torch.tensor([[high[0], low[0], high[1]], [low[1], high[2], low[2]]], dtype=torch.int32)
     seq_lens = [40, 35]
     meta = AttentionMetadata(
@@ -282,17 +297,18 @@ def test_cache_beyond_int32_offsets() -> None:
         query_lens_cpu=[1, 1],
         seq_lens_cpu=seq_lens,
     )
-    new_k = torch.randn((2, 1, head_dim)).half()
+    meta = on_device(meta)
+    new_k = torch.randn((2, 1, head_dim)).half().to(TEST_DEVICE)
     write_kv(new_k, new_k, cache, cache, meta.slot_mapping)  # K and V alias: half the memory
     assert torch.equal(cache[high[1], 7], new_k[0]) and torch.equal(cache[high[2], 2], new_k[1])
-    query = torch.randn((2, 4, head_dim)).half()
+    query = torch.randn((2, 4, head_dim)).half().to(TEST_DEVICE)
     ref = reference_attention(query, cache, cache, meta, 0.125)
     for num_splits in (1, 2):
         check(paged_attention(query, cache, cache, meta, 0.125, num_splits=num_splits), ref, torch.float16)
 
 
 def test_backend_plugs_into_interface() -> None:
-    backend = get_backend("triton", torch.device("cpu"))
+    backend = get_backend("triton", TEST_DEVICE)
     assert isinstance(backend, TritonBackend) and backend.name == "triton"
 
     # One engine step: write the new tokens' K/V, then attend over cache plus new tokens.
@@ -301,7 +317,9 @@ def test_backend_plugs_into_interface() -> None:
         query_lens, context_lens, 16, num_heads, num_kv_heads, head_dim, torch.float32, seed=7
     )
     gen = torch.Generator().manual_seed(8)
-    qkv = torch.randn((sum(query_lens), num_heads + 2 * num_kv_heads, head_dim), generator=gen)
+    qkv = torch.randn((sum(query_lens), num_heads + 2 * num_kv_heads, head_dim), generator=gen).to(
+        TEST_DEVICE
+    )
     query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     out = backend.attend(query, k_cache, v_cache, meta, head_dim**-0.5)
@@ -316,5 +334,5 @@ def test_backend_plugs_into_interface() -> None:
 
 def test_empty_batch() -> None:
     _, k_cache, v_cache, meta = make_batch([1], [3], 16, 2, 1, 64, torch.float32)
-    query = torch.empty((0, 2, 64))
+    query = torch.empty((0, 2, 64), device=TEST_DEVICE)
     assert paged_attention(query, k_cache, v_cache, meta, 0.125).shape == (0, 2, 64)
