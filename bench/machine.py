@@ -30,11 +30,15 @@ def _best_seconds(fn, reps: int) -> float:
     return best
 
 
-def matmul_flops_per_s(sizes: tuple[int, ...] = (1024, 2048, 3072), reps: int = 3) -> float:
+def matmul_flops_per_s(
+    sizes: tuple[int, ...] = (1024, 2048, 3072), reps: int = 3, device: str = "cpu", dtype=torch.float32
+) -> float:
     """The best fp32 GEMM rate over a few square sizes and both of torch's CPU GEMM libraries
     (MKL through `torch.mm`, oneDNN with a packed weight as the engine's linears use it): the
     machine's practical compute peak. Taking the better library keeps a fraction of it honest
-    (at or below 100%) whichever library a contender uses."""
+    (at or below 100%) whichever library a contender uses. On a GPU: cuBLAS at `dtype`."""
+    if torch.device(device).type == "cuda":
+        return _gpu_matmul_flops_per_s(sizes, reps, torch.device(device), dtype)
     best = 0.0
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
@@ -44,6 +48,20 @@ def matmul_flops_per_s(sizes: tuple[int, ...] = (1024, 2048, 3072), reps: int = 
         if can_pack(linear):
             packed = PackedLinear(linear)
             best = max(best, 2 * n**3 / _best_seconds(lambda a=a, packed=packed: packed(a), reps))
+    return best
+
+
+def _gpu_matmul_flops_per_s(sizes, reps: int, device: torch.device, dtype) -> float:
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+
+        def ten(a=a, b=b) -> None:  # ten products per timing, so launch and sync costs vanish
+            for _ in range(10):
+                torch.mm(a, b)
+            torch.cuda.synchronize(device)
+
+        best = max(best, 10 * 2 * n**3 / _best_seconds(ten, reps))
     return best
 
 
@@ -61,6 +79,7 @@ def machine_info() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
     }
 
 

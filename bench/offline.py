@@ -1,6 +1,7 @@
 """Offline throughput, side by side: mm-engine against transformers on the same model and inputs.
 
     python -m bench.offline --workload caption|chat [--num-images N] [--json PATH] [--profile]
+                            [--device cuda [--dtype float16]]
 
 Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, long-tailed):
   caption  one captioning prompt per image (64 by default); outputs mean ~30 tokens, at most 64.
@@ -20,6 +21,11 @@ before and just after its timed job, and each run is held to the mean of its own
 machine's speed drifts by 15-40% over minutes here); the rate measured once at the start is kept
 in the JSON as `matmul_gflops_per_s`. A sample of requests is checked to produce the same greedy
 tokens on both sides.
+
+With `--device cuda` both sides run on the GPU at `--dtype` (float16 by default there), the rate is
+cuBLAS's at that dtype, and peak GPU memory is reported next to RSS. Half precision can flip a
+random model's near-tied greedy tokens between two correct implementations, so there the token
+check is reported but fails the run only in float32.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s
 from bench.offline_runs import Job, engine_run, hf_run, run_in_child
 
 HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (4, 8, 16)}  # chat at 32 lost to 8 and costs 90 s
+HF_SWEEP_GPU = {"caption": (8, 16, 32, 64, 128), "chat": (8, 16, 32, 64, 128)}
 
 
 def workload_requests(workload: str, num_images: int, seed: int) -> list[tuple[int, str, int]]:
@@ -78,7 +85,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def sweep_hf(job: Job, workload: str) -> tuple[int, dict[int, float]]:
     """One batch per candidate size, on the first requests of the workload; best images/s wins."""
     rates = {}
-    for bs in HF_SWEEP[workload]:
+    for bs in (HF_SWEEP if job.device == "cpu" else HF_SWEEP_GPU)[workload]:
         per_batch = bs if workload == "caption" else max(1, bs // 4)  # chat: 4 requests per image
         if per_batch > job.num_images:
             break
@@ -114,10 +121,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--model", default=None, help="a LLaVA checkpoint (default: bench.vlm's, built once)")
     ap.add_argument(
-        "--rate-sizes", default="1024,2048,3072", help="square matmul sizes the fp32 rate is measured at"
+        "--rate-sizes",
+        default=None,
+        help="square matmul sizes the rate is measured at (default 1024,2048,3072; 4096,8192 on a GPU)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where both contestants run")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, float16 on a GPU")
     args = ap.parse_args(argv)
-    rate_sizes = tuple(int(n) for n in args.rate_sizes.split(","))
+    gpu = args.device != "cpu"
+    dtype = args.dtype or ("float16" if gpu else "float32")
+    rate_sizes = tuple(
+        int(n) for n in (args.rate_sizes or ("4096,8192" if gpu else "1024,2048,3072")).split(",")
+    )
     if args.num_images is None:
         # Chat at 64 images is 256 long answers: transformers alone would take ~15 minutes here.
         args.num_images = 64 if args.workload == "caption" else 16
@@ -132,11 +147,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     job = Job(
         model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile,
-        rate_sizes=rate_sizes,
+        rate_sizes=rate_sizes, device=args.device, dtype=dtype,
     )  # fmt: skip
     started = time.perf_counter()
-    peak = matmul_flops_per_s(rate_sizes)
-    print(f"fp32 matmul rate: {peak / 1e9:.1f} GFLOP/s ({args.threads} threads)", flush=True)
+    peak = matmul_flops_per_s(rate_sizes, device=args.device, dtype=getattr(torch, dtype))
+    print(f"{dtype} matmul rate: {peak / 1e9:.1f} GFLOP/s ({args.device})", flush=True)
     ours = run_in_child(engine_run, job)
     print(f"  mm-engine: {ours['seconds']:.1f} s", flush=True)
     if args.hf_batch_size is None:
@@ -178,6 +193,13 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_run_matmul_gflops_per_s": hf_rate / 1e9,
         "engine_peak_rss_mib": ours["peak_rss_mib"],
         "hf_peak_rss_mib": hf["peak_rss_mib"],
+        **(
+            {"engine_peak_gpu_mib": ours["peak_gpu_mib"], "hf_peak_gpu_mib": hf["peak_gpu_mib"]}
+            if gpu
+            else {}
+        ),
+        "device": args.device,
+        "dtype": dtype,
         "engine_seconds": ours["seconds"],
         "engine_seconds_runs": engine_runs,
         "hf_seconds": hf["seconds"],
@@ -196,29 +218,34 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if same != compared:
+    if same != compared and dtype == "float32":
         raise SystemExit(f"token mismatch: only {same}/{compared} sampled requests are identical")
     return result
 
 
 def print_table(r: dict) -> None:
+    m, gpu = r["machine"], "engine_peak_gpu_mib" in r
+    where = (
+        f"{m['gpu']}, {r['dtype']}"
+        if gpu
+        else f"{m['cpu']}, {m['torch_threads']} threads, {r.get('dtype', 'float32')}"
+    )
     print(
         f"\n### bench.offline `{r['workload']}`: {r['num_images']} images, {r['num_requests']} requests, "
-        f"{r['output_tokens']} output tokens ({r['machine']['date']}, {r['machine']['cpu']}, "
-        f"{r['machine']['torch_threads']} threads, fp32 matmul {r['matmul_gflops_per_s']:.0f} GFLOP/s)\n"
+        f"{r['output_tokens']} output tokens ({m['date']}, {where}, "
+        f"matmul {r['matmul_gflops_per_s']:.0f} GFLOP/s)\n"
     )
-    print("| | images/s | output tokens/s | compute-floor fraction | peak RSS (MiB) |")
-    print("|---|---:|---:|---:|---:|")
-    print(
-        f"| mm-engine | {r['engine_images_per_s']:.2f} | {r['engine_output_tokens_per_s']:.1f} | "
-        f"{r['compute_floor_fraction']:.1%} | {r['engine_peak_rss_mib']:.0f} |"
-    )
-    print(
-        f"| transformers (batch {r['hf_batch_size']}) | {r['hf_images_per_s']:.2f} | "
-        f"{r['hf_output_tokens_per_s']:.1f} | {r['hf_compute_floor_fraction']:.1%} | "
-        f"{r['hf_peak_rss_mib']:.0f} |"
-    )
-    print(f"| ratio | {r['throughput_ratio']:.2f}x | {r['throughput_ratio']:.2f}x | | |")
+    gpu_head, gpu_rule = (" peak GPU (MiB) |", "---:|") if gpu else ("", "")
+    print(f"| | images/s | output tokens/s | compute-floor fraction | peak RSS (MiB) |{gpu_head}")
+    print(f"|---|---:|---:|---:|---:|{gpu_rule}")
+    for name, side in (("mm-engine", "engine"), (f"transformers (batch {r['hf_batch_size']})", "hf")):
+        floor = r["compute_floor_fraction" if side == "engine" else "hf_compute_floor_fraction"]
+        gpu_cell = f" {r[f'{side}_peak_gpu_mib']:.0f} |" if gpu else ""
+        print(
+            f"| {name} | {r[f'{side}_images_per_s']:.2f} | {r[f'{side}_output_tokens_per_s']:.1f} | "
+            f"{floor:.1%} | {r[f'{side}_peak_rss_mib']:.0f} |{gpu_cell}"
+        )
+    print(f"| ratio | {r['throughput_ratio']:.2f}x | {r['throughput_ratio']:.2f}x | | |{' |' if gpu else ''}")
     if "engine_run_matmul_gflops_per_s" in r:
         rates = ", ".join(f"{g:.0f}" for g in r["engine_run_matmul_gflops_per_s"])
         print(

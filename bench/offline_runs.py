@@ -34,6 +34,8 @@ class Job:
     hf_batch_size: int = 8
     profile: bool = False
     rate_sizes: tuple[int, ...] = (1024, 2048, 3072)  # matmul sizes of the rate measured next to a run
+    device: str = "cpu"
+    dtype: str = "float32"  # both contestants' weights and activations (vision tower too)
 
 
 def run_in_child(fn, job: Job) -> dict:
@@ -42,8 +44,12 @@ def run_in_child(fn, job: Job) -> dict:
         return pool.apply(fn, (job,))
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _peak_memory(job: Job) -> dict:
+    """Peak RSS (Linux reports KiB), and on a GPU the peak of torch's allocations there."""
+    peak = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if job.device != "cpu":
+        peak["peak_gpu_mib"] = torch.cuda.max_memory_allocated(job.device) / 1024**2
+    return peak
 
 
 def engine_run(job: Job) -> dict:
@@ -51,7 +57,7 @@ def engine_run(job: Job) -> dict:
 
     torch.set_num_threads(job.threads)
     images = vlm.images(job.num_images, job.seed)
-    llm = LLM(job.model, **job.engine_args)
+    llm = LLM(job.model, device=job.device, dtype=job.dtype, vision_dtype=job.dtype, **job.engine_args)
     warm = {"prompt": vlm.CAPTION_PROMPT, "multi_modal_data": {"image": vlm.noise_image(0)}}
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
@@ -65,7 +71,7 @@ def engine_run(job: Job) -> dict:
         "prompt_ids": [list(o.prompt_token_ids) for o in outs],
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
         "encoded_images": llm.engine.runner.num_encoded_images - 1,  # minus the warm-up's
-        "peak_rss_mib": _peak_rss_mib(),
+        **_peak_memory(job),
     }
     if timers is not None:
         timers["other"] = seconds - sum(timers.values())
@@ -80,7 +86,8 @@ def hf_run(job: Job) -> dict:
     images = vlm.images(job.num_images, job.seed)
     processor = AutoProcessor.from_pretrained(job.model)
     processor.tokenizer.padding_side = "left"  # generation appends on the right
-    model = LlavaForConditionalGeneration.from_pretrained(job.model, dtype=torch.float32).eval()
+    dtype = getattr(torch, job.dtype)
+    model = LlavaForConditionalGeneration.from_pretrained(job.model, dtype=dtype).to(job.device).eval()
     model.generation_config.eos_token_id = None  # ignore_eos: every row runs to its max_new_tokens
     pad = processor.tokenizer.pad_token_id
 
@@ -90,7 +97,8 @@ def hf_run(job: Job) -> dict:
             images=[images[i] for i, _, _ in batch],
             padding=True,
             return_tensors="pt",
-        )
+        ).to(job.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         longest = max(n for _, _, n in batch)  # a static batch runs until its longest row is done
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=longest, do_sample=False, pad_token_id=pad)
@@ -99,6 +107,8 @@ def hf_run(job: Job) -> dict:
 
     with torch.inference_mode():
         warm_inputs = processor(text=[vlm.CAPTION_PROMPT], images=[vlm.noise_image(0)], return_tensors="pt")
+        warm_inputs = warm_inputs.to(job.device)
+        warm_inputs["pixel_values"] = warm_inputs["pixel_values"].to(dtype)
         model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
     bs = job.hf_batch_size
     batches = range(0, len(job.requests), bs)
@@ -108,18 +118,22 @@ def hf_run(job: Job) -> dict:
     return {
         "seconds": seconds,
         "tokens": tokens,
-        "peak_rss_mib": _peak_rss_mib(),
+        **_peak_memory(job),
         "matmul_flops_per_s": rates,
     }
 
 
 def _timed(job: Job, fn):
     """`(fn(), its seconds, [matmul rate just before, just after])`: the rate next to the run."""
-    rate_before = matmul_flops_per_s(job.rate_sizes)
+
+    def rate() -> float:
+        return matmul_flops_per_s(job.rate_sizes, device=job.device, dtype=getattr(torch, job.dtype))
+
+    rate_before = rate()
     start = time.perf_counter()
-    result = fn()
+    result = fn()  # returns host-side tokens, so the device's work is done when it returns
     seconds = time.perf_counter() - start
-    return result, seconds, [rate_before, matmul_flops_per_s(job.rate_sizes)]
+    return result, seconds, [rate_before, rate()]
 
 
 def _profile(engine) -> dict[str, float]:
