@@ -3,6 +3,10 @@
 Decode: achieved bandwidth (bytes of K/V and Q read / time) as a fraction of the device's measured
 copy bandwidth. Prefill: TFLOP/s of causal attention. The baseline is `scaled_dot_product_attention`
 on the same K/V gathered into contiguous tensors, so the ratio shows what paging costs (or saves).
+The paged caches are laid out as the engine allocates them (`pools.kv_cache.paged_kv_tensor`:
+head-major within each block); `triton_slot_major` runs the same kernel on a slot-major copy
+(`[block, slot, kv_head, dim]` contiguous), the layout the engine used before, to show what the
+layout does on a GPU.
 Times are medians of CUDA-event spans after warmup. The L2 flush queued before each call also gives
 the CPU time to launch ahead, so they are GPU times with little of the Python launch overhead.
 """
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.triton_backend import TritonBackend
+from mm_engine.pools.kv_cache import paged_kv_tensor
 
 DECODE_BATCHES = (1, 4, 16, 64, 256)
 PREFILL_BATCHES = (1, 4, 16)
@@ -42,8 +47,10 @@ class Shape:
 @dataclass(slots=True)
 class Case:
     query: torch.Tensor  # [tokens, heads, dim], for the paged kernel
-    k_cache: torch.Tensor
+    k_cache: torch.Tensor  # the engine's layout: head-major within a block, slot-major view
     v_cache: torch.Tensor
+    k_slot_major: torch.Tensor  # the same values, [block, slot, kv_head, dim] contiguous
+    v_slot_major: torch.Tensor
     meta: AttentionMetadata
     q_dense: torch.Tensor  # [batch, heads, query_len, dim], for SDPA
     k_dense: torch.Tensor  # [batch, kv_heads, seq_len, dim]
@@ -57,14 +64,15 @@ def make_case(batch: int, query_len: int, seq_len: int, shape: Shape, device: to
     num_blocks = batch * blocks_per_seq
     # A random permutation scatters each sequence over the cache, as a long-running pool would.
     tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
-    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
-    v_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
+    k_cache = paged_kv_tensor(num_blocks, bs, shape.num_kv_heads, shape.head_dim, shape.dtype, device)
+    v_cache = paged_kv_tensor(num_blocks, bs, shape.num_kv_heads, shape.head_dim, shape.dtype, device)
+    k_cache.normal_()
+    v_cache.normal_()
     q_shape = (batch * query_len, shape.num_heads, shape.head_dim)
     query = torch.randn(q_shape, device=device, dtype=shape.dtype)
 
     def dense(cache: torch.Tensor) -> torch.Tensor:
-        flat = cache[tables.long()].view(batch, blocks_per_seq * bs, shape.num_kv_heads, shape.head_dim)
+        flat = cache[tables.long()].reshape(batch, blocks_per_seq * bs, shape.num_kv_heads, shape.head_dim)
         return flat[:, :seq_len].transpose(1, 2).contiguous()
 
     meta = AttentionMetadata(
@@ -78,7 +86,10 @@ def make_case(batch: int, query_len: int, seq_len: int, shape: Shape, device: to
         seq_lens_cpu=[seq_len] * batch,
     )
     q_dense = query.view(batch, query_len, shape.num_heads, shape.head_dim).transpose(1, 2).contiguous()
-    return Case(query, k_cache, v_cache, meta, q_dense, dense(k_cache), dense(v_cache))
+    return Case(
+        query, k_cache, v_cache, k_cache.contiguous(), v_cache.contiguous(), meta, q_dense,
+        dense(k_cache), dense(v_cache),
+    )  # fmt: skip
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 5, iters: int = 20) -> float:
@@ -133,6 +144,9 @@ def bench_decode(batch: int, seq_len: int, shape: Shape, device: torch.device, c
     runs = {
         "triton": lambda: auto.attend(case.query, case.k_cache, case.v_cache, case.meta, scale),
         "triton_nosplit": lambda: single.attend(case.query, case.k_cache, case.v_cache, case.meta, scale),
+        "triton_slot_major": lambda: auto.attend(
+            case.query, case.k_slot_major, case.v_slot_major, case.meta, scale
+        ),
         "sdpa": lambda: sdpa(case, causal=False),
     }
     for name, fn in runs.items():
@@ -152,6 +166,9 @@ def bench_prefill(batch: int, seq_len: int, shape: Shape, device: torch.device) 
     row = {"batch": batch, "context": seq_len}
     runs = {
         "triton": lambda: backend.attend(case.query, case.k_cache, case.v_cache, case.meta, scale),
+        "triton_slot_major": lambda: backend.attend(
+            case.query, case.k_slot_major, case.v_slot_major, case.meta, scale
+        ),
         "sdpa": lambda: sdpa(case, causal=True),
     }
     for name, fn in runs.items():
@@ -165,6 +182,7 @@ def bench_prefill(batch: int, seq_len: int, shape: Shape, device: torch.device) 
 def run(device: torch.device, shape: Shape, decode_grid, prefill_grid, copy_bytes: int = 1 << 30) -> dict:
     copy_gbs = copy_bandwidth_gbs(device, copy_bytes)
     results: dict = {
+        "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "shape": {**asdict(shape), "dtype": str(shape.dtype)},
         "copy_bandwidth_gbs": copy_gbs,
@@ -189,24 +207,28 @@ def run(device: torch.device, shape: Shape, decode_grid, prefill_grid, copy_byte
 def print_tables(results: dict) -> None:
     print(f"{results['device']}: copy bandwidth {results['copy_bandwidth_gbs']:.0f} GB/s")
     print("\ndecode (fraction of copy bandwidth)")
-    print(f"{'batch':>6} {'ctx':>6} {'splits':>6} {'triton':>8} {'nosplit':>8} {'sdpa':>8} {'vs sdpa':>8}")
+    print(
+        f"{'batch':>6} {'ctx':>6} {'splits':>6} {'triton':>8} {'nosplit':>8} {'slotmaj':>8} {'sdpa':>8} "
+        f"{'vs sdpa':>8}"
+    )
     for r in results["decode"]:
         if "skipped" in r:
             print(f"{r['batch']:>6} {r['context']:>6}  skipped: {r['skipped']}")
             continue
         print(
             f"{r['batch']:>6} {r['context']:>6} {r['num_splits']:>6} {r['triton_bw_frac']:>8.2f} "
-            f"{r['triton_nosplit_bw_frac']:>8.2f} {r['sdpa_bw_frac']:>8.2f} {r['speedup_vs_sdpa']:>7.2f}x"
+            f"{r['triton_nosplit_bw_frac']:>8.2f} {r['triton_slot_major_bw_frac']:>8.2f} "
+            f"{r['sdpa_bw_frac']:>8.2f} {r['speedup_vs_sdpa']:>7.2f}x"
         )
     print("\nprefill (TFLOP/s, causal)")
-    print(f"{'batch':>6} {'ctx':>6} {'triton':>8} {'sdpa':>8} {'vs sdpa':>8}")
+    print(f"{'batch':>6} {'ctx':>6} {'triton':>8} {'slotmaj':>8} {'sdpa':>8} {'vs sdpa':>8}")
     for r in results["prefill"]:
         if "skipped" in r:
             print(f"{r['batch']:>6} {r['context']:>6}  skipped: {r['skipped']}")
             continue
         print(
-            f"{r['batch']:>6} {r['context']:>6} {r['triton_tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} "
-            f"{r['speedup_vs_sdpa']:>7.2f}x"
+            f"{r['batch']:>6} {r['context']:>6} {r['triton_tflops']:>8.1f} "
+            f"{r['triton_slot_major_tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['speedup_vs_sdpa']:>7.2f}x"
         )
 
 

@@ -2,9 +2,10 @@
 
     python -m bench.report [--results bench/results]
 
-Reads whichever of offline_caption.json, offline_chat.json, serve.json, memory.json and
-roofline.json exist in the folder and writes one PNG next to each; every plot's title carries the
-date and the machine the figures were measured on.
+Reads whichever of offline_caption.json, offline_chat.json (and their GPU runs,
+offline_*_gpu.json), serve.json, memory.json, roofline.json and kernels.json exist in the folder
+and writes one PNG next to each; every plot's title carries the date and the machine the figures
+were measured on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ ENGINE, HF = "#1f77b4", "#ff7f0e"
 
 def _stamp(result: dict) -> str:
     machine = result.get("machine") or result.get("inputs", {}).get("machine", {})
+    if "gpu" in machine and result.get("device", "cpu") != "cpu":
+        return f"{machine.get('date', '?')}, {machine['gpu']}, {result.get('dtype', '?')}"
     return (
         f"{machine.get('date', '?')}, {machine.get('cpu', '?')}, {machine.get('torch_threads', '?')} threads"
     )
@@ -111,6 +114,42 @@ def plot_roofline(r: dict, out: Path) -> None:
     _save(fig, out)
 
 
+def plot_kernels(r: dict, out: Path) -> None:
+    """Decode: fraction of copy bandwidth against batch, one line per context; prefill: TFLOP/s."""
+    fig, (dec, pre) = plt.subplots(1, 2, figsize=(10, 4))
+    decode = [x for x in r["decode"] if "skipped" not in x]
+    prefill = [x for x in r["prefill"] if "skipped" not in x]
+    for k, ctx in enumerate(sorted({x["context"] for x in decode})):
+        rows = [x for x in decode if x["context"] == ctx]
+        shade = 0.35 + 0.3 * k
+        batches = [x["batch"] for x in rows]
+        dec.plot(batches, [x["triton_bw_frac"] for x in rows], "o-", color=ENGINE, alpha=shade,
+                 label=f"Triton, context {ctx}")  # fmt: skip
+        dec.plot(batches, [x["sdpa_bw_frac"] for x in rows], "s--", color=HF, alpha=shade,
+                 label=f"SDPA, context {ctx}")  # fmt: skip
+    dec.set_xscale("log", base=2)
+    dec.set_xlabel("decode batch size")
+    dec.set_ylabel("K/V read rate / copy bandwidth")
+    dec.legend(fontsize=7)
+    dec.set_title("decode", fontsize=9)
+    labels = [f"{x['batch']}x{x['context']}" for x in prefill]
+    pos = range(len(prefill))
+    pre.bar([i - 0.2 for i in pos], [x["triton_tflops"] for x in prefill], 0.4, color=ENGINE, label="Triton")
+    pre.bar([i + 0.2 for i in pos], [x["sdpa_tflops"] for x in prefill], 0.4, color=HF, label="SDPA")
+    pre.set_xticks(list(pos), labels, rotation=45, fontsize=7)
+    pre.set_xlabel("batch x context (causal prefill)")
+    pre.set_ylabel("TFLOP/s")
+    pre.legend(fontsize=8)
+    pre.set_title("prefill", fontsize=9)
+    shape = r["shape"]
+    fig.suptitle(
+        f"bench.kernels ({r.get('date', '?')}, {r['device']}, {shape['dtype']}, {shape['num_heads']} heads / "
+        f"{shape['num_kv_heads']} KV heads x {shape['head_dim']}, copy {r['copy_bandwidth_gbs']:.0f} GB/s)",
+        fontsize=9,
+    )
+    _save(fig, out)
+
+
 def _save(fig, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -129,11 +168,20 @@ def main(argv: list[str] | None = None) -> list[Path]:
         return json.loads(path.read_text()) if path.is_file() else None
 
     written = []
-    offline = [r for r in (load("offline_caption.json"), load("offline_chat.json")) if r]
-    if offline:
-        plot_offline(offline, d / "offline.png")
-        written.append(d / "offline.png")
-    for name, fn in (("serve", plot_serve), ("memory", plot_memory), ("roofline", plot_roofline)):
+    for suffix in ("", "_gpu"):
+        offline = [
+            r for r in (load(f"offline_caption{suffix}.json"), load(f"offline_chat{suffix}.json")) if r
+        ]
+        if offline:
+            plot_offline(offline, d / f"offline{suffix}.png")
+            written.append(d / f"offline{suffix}.png")
+    plots = (
+        ("serve", plot_serve),
+        ("memory", plot_memory),
+        ("roofline", plot_roofline),
+        ("kernels", plot_kernels),
+    )
+    for name, fn in plots:
         r = load(f"{name}.json")
         if r:
             fn(r, d / f"{name}.png")
