@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Everything this project checks and measures on a CUDA GPU, in one run (a lent GPU's time is
+# short): the Triton kernels and the engine against their references, then bench.kernels, then
+# bench.offline on the GPU. Run from the repository root:
+#
+#     OUT=/some/dir bash bench/gpu_checks.sh
+#
+# It needs torch, triton, transformers, tokenizers, torchvision and pillow (no pip install: it
+# links the package layout the editable install would make). Each step has its own time limit and
+# a failing step does not stop the next; logs and JSON land in $OUT. BUDGET (seconds, default 540)
+# caps the whole run: a step gets at most what is left of it.
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+BUDGET=${BUDGET:-540}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+
+# The layout `pip install -e .` maps (pyproject's package-dir): mm_engine.kernels -> kernels/ ...
+for d in vision kernels pools sched api; do
+    [ -e "mm_engine/$d" ] || ln -s "../$d" "mm_engine/$d"
+done
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, report the status
+    local name=$1 limit=$2 left=$((BUDGET - SECONDS))
+    shift 2
+    if ((left < 30)); then
+        echo "== $name: skipped, $left s of the budget left"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+      'transformers', transformers.__version__, torch.cuda.get_device_name())"
+
+# 1. Correctness: the Triton kernel tests, bench.kernels' own test and the engine on the Triton
+#    backend, all compiled on the GPU (MM_ENGINE_TEST_DEVICE), against float64 / CPU references.
+TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
+    tests/test_triton_kernels.py tests/test_bench_kernels.py tests/test_triton_engine.py
+
+# 2. The README's first command on the GPU (demo model, float16).
+TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \
+    --prompt "Describe the image."
+
+# 3. Paged attention against SDPA.
+TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
+
+# 4. Offline throughput against transformers, both on the GPU in float16.
+GPU_ARGS=(--device cuda --max-num-batched-tokens 8192 --max-num-seqs 256)
+TAIL=16 step caption 150 $PY -m bench.offline --workload caption --num-images 256 "${GPU_ARGS[@]}" \
+    --json "$OUT/offline_caption_gpu.json"
+TAIL=16 step chat 180 $PY -m bench.offline --workload chat --num-images 64 "${GPU_ARGS[@]}" \
+    --json "$OUT/offline_chat_gpu.json"
