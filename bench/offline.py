@@ -126,7 +126,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="square matmul sizes the rate is measured at (default 1024,2048,3072; 4096,8192 on a GPU)",
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where both contestants run")
-    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, float16 on a GPU")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="default: float32 on CPU, float16 on a GPU",
+    )
     args = ap.parse_args(argv)
     gpu = args.device != "cpu"
     dtype = args.dtype or ("float16" if gpu else "float32")
