@@ -1,7 +1,8 @@
 """HTTP API (Litestar): multipart uploads and OpenAI-compatible routes.
 
     app.py             create_app(async_llm, settings): the Litestar app
-    server.py          `mm-engine serve` / `python -m mm_engine.api.server`: uvicorn, SIGTERM drain
+    server.py          `mm-engine serve` / `python -m mm_engine.api.server`: flags, start-up
+    draining_server.py uvicorn's server with the SIGTERM drain
     routes_caption.py  POST /v1/caption (multipart)
     routes_chat.py     POST /v1/chat/completions (OpenAI)
     routes_misc.py     GET /v1/models, /v1/models/{model}, /health, /metrics

@@ -16,13 +16,9 @@ import logging
 import socket
 import sys
 from collections.abc import Callable
-from types import FrameType
-
-import uvicorn
 
 from mm_engine.api.settings import ServerSettings
 
-logger = logging.getLogger("mm_engine.api")
 _D = ServerSettings()
 
 
@@ -92,44 +88,6 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
     )
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains the engine before shutting down."""
-
-    def __init__(self, config: uvicorn.Config, llm, shutdown_timeout: float) -> None:
-        super().__init__(config)
-        self.llm = llm
-        self.shutdown_timeout = shutdown_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
-        self._drain_task: asyncio.Task | None = None  # kept referenced until it is done
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self._draining and self._loop is not None and not self.should_exit:
-            self._draining = True
-            logger.info("draining: new requests get 503; waiting up to %gs", self.shutdown_timeout)
-            self.llm.start_drain()  # at once, so no request slips in before the task runs
-            # A signal handler may interrupt the loop anywhere: hand over through the self-pipe.
-            self._loop.call_soon_threadsafe(self._start_drain)
-        else:
-            super().handle_exit(sig, frame)
-
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self._drain())
-
-    async def _drain(self) -> None:
-        await self.llm.drain(self.shutdown_timeout)
-        # Let the handlers of aborted requests send their answers before connections close.
-        for _ in range(40):
-            if not self.llm.num_unfinished:
-                break
-            await asyncio.sleep(0.05)
-        self.should_exit = True
-
-
 def _model_name(model: str | None) -> str:
     if model is None:
         return "mm-engine-demo"
@@ -138,7 +96,12 @@ def _model_name(model: str | None) -> str:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `mm-engine generate` and friends import this module for the
+    # parser alone and need none of the web stack.
+    import uvicorn
+
     from mm_engine.api.app import create_app
+    from mm_engine.api.draining_server import DrainingServer
     from mm_engine.async_llm import AsyncLLM
     from mm_engine.cli import engine_kwargs
     from mm_engine.config import EngineConfig

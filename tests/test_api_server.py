@@ -10,6 +10,8 @@ import asyncio
 import json
 import re
 import signal
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -300,3 +302,11 @@ def test_sigterm_drains_running_requests_refuses_new_ones_then_exits(server):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # finished, not cut
     assert server.proc.wait(timeout=120) == 0
+
+
+def test_cli_module_imports_none_of_the_web_stack():
+    """`mm-engine generate` imports the CLI module, which also defines `serve`'s flags; that must
+    not pull in uvicorn or Litestar (nor fail where they are missing)."""
+    code = "import sys, mm_engine.cli; print([m for m in ('uvicorn', 'litestar') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
