@@ -45,15 +45,9 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/test_triton_kernels.py tests/test_bench_kernels.py tests/test_triton_engine.py
 
-# 2. What the README's first command does, on the GPU (demo model, float16). Through the Python API:
-#    the CLI module also imports the HTTP server's uvicorn, which the GPU image does not have.
-TAIL=4 step generate 60 $PY -c "
-import base64, pathlib
-from mm_engine import LLM, SamplingParams
-url = 'data:image/png;base64,' + base64.b64encode(pathlib.Path('examples/scene.png').read_bytes()).decode()
-msg = {'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': url}},
-                                   {'type': 'text', 'text': 'Describe the image.'}]}
-print(LLM().chat([msg], SamplingParams(max_tokens=64, temperature=0))[0].outputs[0].text)"
+# 2. The README's first command on the GPU (demo model, float16).
+TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \
+    --prompt "Describe the image."
 
 # 3. Paged attention against SDPA.
 TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
