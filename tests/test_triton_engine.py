@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_triton_backend_matches_transformers(siglip_qwen2, ref_siglip_qwen2):
+def test_triton_backend_matches_transformers(siglip_qwen2, ref_siglip_qwen2, monkeypatch):
     # The reference runs in float32 on the CPU; on a GPU, cuDNN's TF32 convolutions (the patch
     # embedding) would round differently enough to flip a random model's near-tied tokens.
-    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     llm = LLM(
         siglip_qwen2,
         attention_backend="triton",
