@@ -91,14 +91,13 @@ def hf_run(job: Job) -> dict:
     model.generation_config.eos_token_id = None  # ignore_eos: every row runs to its max_new_tokens
     pad = processor.tokenizer.pad_token_id
 
-    def generate(batch: list[tuple[int, str, int]]) -> list[list[int]]:
-        inputs = processor(
-            text=[p for _, p, _ in batch],
-            images=[images[i] for i, _, _ in batch],
-            padding=True,
-            return_tensors="pt",
-        ).to(job.device)
+    def encode(texts: list[str], imgs: list) -> dict:
+        inputs = processor(text=texts, images=imgs, padding=True, return_tensors="pt").to(job.device)
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs
+
+    def generate(batch: list[tuple[int, str, int]]) -> list[list[int]]:
+        inputs = encode([p for _, p, _ in batch], [images[i] for i, _, _ in batch])
         longest = max(n for _, _, n in batch)  # a static batch runs until its longest row is done
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=longest, do_sample=False, pad_token_id=pad)
@@ -106,9 +105,7 @@ def hf_run(job: Job) -> dict:
         return [row[:n] for row, (_, _, n) in zip(new, batch, strict=True)]
 
     with torch.inference_mode():
-        warm_inputs = processor(text=[vlm.CAPTION_PROMPT], images=[vlm.noise_image(0)], return_tensors="pt")
-        warm_inputs = warm_inputs.to(job.device)
-        warm_inputs["pixel_values"] = warm_inputs["pixel_values"].to(dtype)
+        warm_inputs = encode([vlm.CAPTION_PROMPT], [vlm.noise_image(0)])
         model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
     bs = job.hf_batch_size
     batches = range(0, len(job.requests), bs)

@@ -34,6 +34,7 @@ class _Plan:
     tables: torch.Tensor  # int32 [len(batched), width]: their block tables
     others: list[int]  # the remaining sequences, in order
     others_args: tuple  # their (block tables, first rows, query lengths, lengths) for the C kernel
+    # (empty without it: the torch path loops over the sequences itself)
 
     @classmethod
     def of(cls, meta: AttentionMetadata, c_kernels: bool) -> _Plan:
@@ -43,7 +44,15 @@ class _Plan:
             decodes = []
         everything, batched = len(decodes) == len(meta.query_lens_cpu), set(decodes)
         others = [i for i in range(meta.num_seqs) if i not in batched]
-        starts = meta.query_start_loc.tolist()
+        others_args = ()
+        if c_kernels and others:
+            starts = meta.query_start_loc.tolist()
+            others_args = (
+                meta.block_tables[others],
+                [starts[i] for i in others],
+                [meta.query_lens_cpu[i] for i in others],
+                [meta.seq_lens_cpu[i] for i in others],
+            )
         return cls(
             batched=batched,
             rows=None if everything else meta.query_start_loc[:-1][decodes].long(),
@@ -51,12 +60,7 @@ class _Plan:
             max_len=max((meta.seq_lens_cpu[i] for i in decodes), default=0),
             tables=meta.block_tables[decodes].contiguous(),
             others=others,
-            others_args=(
-                meta.block_tables[others],
-                [starts[i] for i in others],
-                [meta.query_lens_cpu[i] for i in others],
-                [meta.seq_lens_cpu[i] for i in others],
-            ),
+            others_args=others_args,
         )
 
 

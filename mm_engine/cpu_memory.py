@@ -59,7 +59,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty(shape, dtype)` on CPU, 2 MiB-aligned and advised to use transparent huge pages
     before its first touch. Where madvise is unavailable or refused it is plain memory all the
     same; pages still cost resident memory only once written (2 MiB at a time)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # slack to align the start
     skip = -raw.data_ptr() % HUGE_PAGE
     madvise = _libc_fn("madvise") if nbytes >= HUGE_PAGE else None
