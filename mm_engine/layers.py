@@ -182,10 +182,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, k_cache, v_cache, meta, backend):
-        attn = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
-        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-        return x + self.mlp(h)
+    def forward(self, x, residual, rope, k_cache, v_cache, meta, backend):
+        """`x` is the previous layer's MLP output, still to be added to `residual` (None for the
+        first layer: x is the embeddings). Returns this layer's (MLP output, residual): each add
+        is left to the next norm, which does it in the same pass over the row."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        attn = self.self_attn(h, rope, k_cache, v_cache, meta, backend)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, attn)
+        return self.mlp(h), residual
 
 
 class DecoderLM(nn.Module):
@@ -208,11 +215,11 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend):
-        x = embeds
+        x, residual = embeds, None
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_k[i], kv_v[i], meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_k[i], kv_v[i], meta, backend)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(residual, x)[1]
 
     def fuse_projections(self) -> None:
         """Call once the checkpoint is loaded: q/k/v and gate/up become single matmuls."""
