@@ -19,8 +19,9 @@ from mm_engine.kernels import cpu_build
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(s, rms_norm(s) * weight)` over the last dim, where s is x, or x + delta (a new tensor);
-    None where the kernel does not apply."""
+    """`(x, rms_norm(x) * weight)` over the last dim, with delta first added to x in place (the
+    residual stream, which only the forward pass holds); None where the kernel does not apply,
+    and then x is untouched."""
     tensors = (x, weight) if delta is None else (x, weight, delta)
     lib = cpu_build.lib_for(*tensors)
     if lib is None or not all(t.is_contiguous() for t in tensors):
@@ -29,13 +30,12 @@ def rms_norm(
         return None
     cols = x.shape[-1]
     out = torch.empty_like(x)
-    s = x if delta is None else torch.empty_like(x)
     d_ptr = None if delta is None else delta.data_ptr()
     rows = x.numel() // max(cols, 1)
     lib.rms_norm(
         x.data_ptr(),
         d_ptr,
-        s.data_ptr(),
+        x.data_ptr(),  # the sum, row by row over the row it reads
         weight.data_ptr(),
         out.data_ptr(),
         rows,
@@ -43,7 +43,7 @@ def rms_norm(
         eps,
         torch.get_num_threads(),
     )
-    return s, out
+    return x, out
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -28,12 +28,13 @@ class RMSNorm(nn.Module):
         self.c_kernels = False  # kernels/cpu_elementwise.py: one C pass instead of torch's five ops
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(x + delta, norm(x + delta))`: the residual add and the next norm, one pass in C."""
+        """`x += delta` in place (x is the residual stream, owned by the forward pass), then
+        `(x, norm(x))`: the residual add and the next norm, one pass over each row in C."""
         if self.c_kernels:
             fused = cpu_elementwise.rms_norm(x, self.weight, self.eps, delta)
             if fused is not None:
                 return fused
-        x = x + delta
+        x.add_(delta)
         return x, self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,10 @@ def test_rms_norm_with_and_without_the_residual_add_matches_torch():
     for rows in (1, 5, 300):  # one thread below the kernel's threshold, both above it
         x, delta = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
         w = torch.rand(576, generator=g) + 0.5
+        want = x + delta
         s, out = cpu_elementwise.rms_norm(x, w, 1e-6, delta)
-        assert torch.equal(s, x + delta) and s is not x
-        torch.testing.assert_close(out, F.rms_norm(x + delta, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)
+        assert s is x and torch.equal(x, want)  # the residual stream, added to in place
+        torch.testing.assert_close(out, F.rms_norm(want, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)
         plain = cpu_elementwise.rms_norm(x, w, 1e-6)
         assert plain[0] is x
         torch.testing.assert_close(plain[1], F.rms_norm(x, (576,), w, 1e-6), rtol=1e-5, atol=1e-6)
