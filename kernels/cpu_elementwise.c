@@ -37,8 +37,9 @@ void gelu_tanh_(float *x, int64_t n, int threads) {
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, row by row. With `delta`, the row normalised is
  * x[r] + delta[r], also written to sum[r] (the residual stream; sum may be x itself: each element
- * is read before it is written), so the add and the norm are one pass. Small batches (a decode step) stay on one thread: waking the other costs more than the
- * work. (torch's CPU RMSNorm is five ops, about 40 us for one decode row.) */
+ * is read before it is written), so the add and the norm are one pass. Small batches (a decode
+ * step) stay on one thread: waking the other costs more than the work. (torch's CPU RMSNorm is
+ * five ops, about 40 us for one decode row.) */
 void rms_norm(const float *x, const float *delta, float *sum_out, const float *w, float *out, int64_t rows,
               int64_t cols, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 65536)

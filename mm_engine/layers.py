@@ -198,7 +198,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderLM(nn.Module):
     """Token embeddings, decoder layers, final norm and LM head. `forward` takes embeddings so that
-    image features can be spliced in before the first layer."""
+    image features can be spliced in before the first layer; it uses them as the residual stream,
+    so they are overwritten."""
 
     def __init__(self, config, bias: dict[str, bool], tie_embeddings: bool) -> None:
         super().__init__()
