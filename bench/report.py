@@ -48,8 +48,7 @@ def plot_offline(runs: list[dict], out: Path) -> None:
         ax.set_ylim(0, max(vals) * 1.3)
         ax.set_ylabel("images / s")
         ax.set_title(f"{r['workload']}: {r['throughput_ratio']:.2f}x transformers", fontsize=10)
-    fig.suptitle(f"bench.offline ({_stamp(runs[0])})", fontsize=9)
-    _save(fig, out)
+    _save(fig, out, f"bench.offline ({_stamp(runs[0])})")
 
 
 def plot_serve(r: dict, out: Path) -> None:
@@ -65,12 +64,13 @@ def plot_serve(r: dict, out: Path) -> None:
         ax.set_title(f"{name.upper()} (ms)", fontsize=10)
     axes[0].legend(fontsize=8, loc="lower left", framealpha=0.9)
     a = r["args"]
-    fig.suptitle(
+    goodput = r["metrics"]["overall"].get("request_goodput") or 0
+    _save(
+        fig,
+        out,
         f"bench.serve: {a.get('num_prompts')} requests at {a.get('request_rate')} req/s, "
-        f"goodput {r['metrics']['overall'].get('request_goodput') or 0:.2f} req/s ({_stamp(r)})",
-        fontsize=9,
+        f"goodput {goodput:.2f} req/s ({_stamp(r)})",
     )
-    _save(fig, out)
 
 
 def plot_memory(r: dict, out: Path) -> None:
@@ -85,8 +85,7 @@ def plot_memory(r: dict, out: Path) -> None:
     ax2.bar(["mm-engine (paged)", "transformers\n(static cache)"], [ours, r["hf_seqs"]], color=[ENGINE, HF])
     ax2.set_ylabel("sequences at once")
     ax2.set_title(f"same KV memory: {r['concurrent_seqs_ratio']:.2f}x", fontsize=10)
-    fig.suptitle(f"bench.memory ({_stamp(r)})", fontsize=9)
-    _save(fig, out)
+    _save(fig, out, f"bench.memory ({_stamp(r)})")
 
 
 def plot_roofline(r: dict, out: Path) -> None:
@@ -142,15 +141,18 @@ def plot_kernels(r: dict, out: Path) -> None:
     pre.legend(fontsize=8)
     pre.set_title("prefill", fontsize=9)
     shape = r["shape"]
-    fig.suptitle(
+    _save(
+        fig,
+        out,
         f"bench.kernels ({r.get('date', '?')}, {r['device']}, {shape['dtype']}, {shape['num_heads']} heads / "
         f"{shape['num_kv_heads']} KV heads x {shape['head_dim']}, copy {r['copy_bandwidth_gbs']:.0f} GB/s)",
-        fontsize=9,
     )
-    _save(fig, out)
 
 
-def _save(fig, out: Path) -> None:
+def _save(fig, out: Path, title: str | None = None) -> None:
+    """Write the figure with the figure-wide title (date and machine), when given, and close it."""
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
