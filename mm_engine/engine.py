@@ -46,6 +46,7 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
         torch.manual_seed(config.seed)
+        backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(
             path,
             self.hf_config,
@@ -53,6 +54,7 @@ class LLMEngine:
             config.torch_dtype("vision_dtype"),
             self.device,
             pack_weights=config.cpu_packed_weights,
+            c_gemm=backend.name == "cpu",
         )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.inputs = InputProcessor(
@@ -99,7 +101,6 @@ class LLMEngine:
             self.swap,
             config.max_waiting_requests,
         )
-        backend = get_backend(config.attention_backend, self.device)
         if backend.name == "cpu":  # the C kernels beyond attention too
             cpu_prefill.use_for_vision(self.model.vision_tower)  # bidirectional attention
             cpu_elementwise.use_c_kernels(self.model)

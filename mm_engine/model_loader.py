@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
+from mm_engine.kernels import cpu_gemm
 from mm_engine.layers import DecoderLM
 from mm_engine.model import LlavaModel
 from mm_engine.packed_linear import pack_linears
@@ -121,9 +122,12 @@ def load_model(
     vision_dtype: torch.dtype,
     device: torch.device,
     pack_weights: bool = False,
+    c_gemm: bool = False,
 ) -> LlavaModel:
     """`pack_weights`: on CPU, run every linear layer through oneDNN with a packed weight
-    (`mm_engine.packed_linear`); elsewhere it changes nothing."""
+    (`mm_engine.packed_linear`); elsewhere it changes nothing. With `c_gemm` as well, the language
+    model's linears go through the C GEMM instead (`kernels/cpu_gemm.py`, faster at decode's few
+    rows) where it builds; the vision tower's, which only ever see whole images, stay on oneDNN."""
     vision_state, projector_state, lm_state = split_weights(read_weights(path))
     bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
@@ -139,5 +143,7 @@ def load_model(
     _load(model.multi_modal_projector, projector_state, "projector")
     model = model.eval().requires_grad_(False)
     if pack_weights:
-        pack_linears(model)
+        if c_gemm:
+            cpu_gemm.use_for(model.language_model)
+        pack_linears(model)  # every linear still an nn.Linear
     return model

@@ -1,0 +1,103 @@
+"""The C GEMM for the language model's linears (kernels/cpu_gemm.c) against nn.Linear: row counts
+across its tiles and row blocks, widths that end mid-panel, K across its blocks, bias or none,
+strided and batched inputs; and which modules the engine switches over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mm_engine.kernels import cpu_build
+from mm_engine.kernels.cpu_gemm import PANEL, PanelLinear, pack_panels, use_for
+from mm_engine.packed_linear import PackedLinear
+
+
+def _linear(k: int, n: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    if bias:
+        nn.init.normal_(lin.bias)  # the default init is tiny: a bias left out would still pass
+    return lin
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "bias"),
+    [
+        (64, 96, False),  # whole panels
+        (576, 100, True),  # the last panel 4 columns wide
+        (40, 5, True),  # one partial panel
+        (1000, 130, True),  # two K blocks (768 + 232), the second into a partial panel
+        (1600, 48, False),  # three K blocks
+    ],
+)
+@torch.inference_mode()
+def test_panel_linear_matches_nn_linear(k, n, bias):
+    assert cpu_build.load() is not None, "the C kernels must build where the tests run (cc on PATH)"
+    lin = _linear(k, n, bias, seed=k + n)
+    fast = PanelLinear(lin)
+    x = torch.randn(200, k, generator=torch.Generator().manual_seed(1))
+    # 1-8 rows: one tile; 9, 20: uneven strips; 96/97/200: across the 96-row blocks
+    for rows in (1, 3, 8, 9, 20, 64, 96, 97, 200):
+        got = fast(x[:rows])
+        assert got.shape == (rows, n) and got.is_contiguous()
+        torch.testing.assert_close(got, lin(x[:rows]), rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_panel_linear_takes_strided_batched_and_empty_inputs():
+    lin = _linear(72, 60, True, seed=0)
+    fast = PanelLinear(lin)
+    wide = torch.randn(11, 100)
+    view = wide[:, 10:82]  # rows wider than K: a view into a larger tensor, read in place
+    torch.testing.assert_close(fast(view), lin(view), rtol=1e-4, atol=1e-4)
+    cols = torch.randn(72, 5).t()  # columns not unit-stride: copied first
+    torch.testing.assert_close(fast(cols), lin(cols), rtol=1e-4, atol=1e-4)
+    batched = torch.randn(2, 3, 72)
+    assert fast(batched).shape == (2, 3, 60)
+    torch.testing.assert_close(fast(batched), lin(batched), rtol=1e-4, atol=1e-4)
+    assert fast(torch.empty(0, 72)).shape == (0, 60)
+
+
+def test_panel_linear_names_bad_input():
+    fast = PanelLinear(_linear(8, 4, False, seed=0))
+    with pytest.raises(TypeError, match="float32"):
+        fast(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="8 input features"):
+        fast(torch.randn(2, 9))
+
+
+def test_pack_panels_layout():
+    w = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)  # w[n, k] = 3n + k
+    panels = pack_panels(w)
+    assert panels.shape == (2, 3, PANEL)
+    assert panels[0, 2, 5] == w[5, 2] and panels[1, 0, 1] == w[PANEL + 1, 0]
+    assert not panels[1, :, 50 - PANEL :].any()  # zero columns past N
+
+
+def test_use_for_switches_float32_linears_and_copies_tied_weights():
+    embed, head = nn.Embedding(30, 16), nn.Linear(16, 30, bias=False)
+    head.weight = embed.weight
+    model = nn.ModuleDict(
+        {"embed": embed, "head": head, "mlp": nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4).double())}
+    )
+    assert use_for(model) == 2
+    assert isinstance(model["head"], PanelLinear) and isinstance(model["mlp"][0], PanelLinear)
+    assert isinstance(model["mlp"][1], nn.Linear)  # float64 stays
+    assert model["embed"].weight.shape == (30, 16)  # the tied embedding keeps its weight
+    assert "in_features=16, out_features=8, bias=True" in repr(model["mlp"][0])
+
+
+def test_engine_runs_the_language_model_on_the_c_gemm_and_the_tower_on_onednn(siglip_qwen2):
+    from mm_engine import LLM
+
+    fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine.model
+    plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine.model
+    lm_linears = [m for m in fast.language_model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert not lm_linears and isinstance(fast.language_model.lm_head, PanelLinear)
+    assert not any(isinstance(m, PanelLinear) for m in fast.vision_tower.modules())
+    assert not any(isinstance(m, PanelLinear) for m in plain.modules())  # the reference path keeps oneDNN
+    layer, ref = fast.language_model.layers[0], plain.language_model.layers[0]
+    x = torch.randn(5, fast.config.text_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(layer.mlp(x), ref.mlp(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.self_attn.qkv_proj(x), ref.self_attn.qkv_proj(x), rtol=1e-4, atol=1e-5)
