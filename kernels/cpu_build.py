@@ -1,5 +1,5 @@
-"""The CPU kernels in C (`cpu_decode.c`, `cpu_prefill.c`, `cpu_elementwise.c`, `cpu_gemm.c`): built
-once, loaded via ctypes.
+"""The CPU kernels in C (`cpu_decode.c`, `cpu_prefill.c`, `cpu_elementwise.c`, `cpu_gemm.c`,
+`cpu_kv_write.c`): built once, loaded via ctypes.
 
 They are compiled on first use with the system C compiler (`cc`, or `$CC`) for this CPU into one
 library, cached under `~/.cache/mm-engine/kernels` (or `$MM_ENGINE_CACHE`), keyed by the sources,
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c", "cpu_gemm.c")
+    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c", "cpu_gemm.c", "cpu_kv_write.c")
 ]
 # -ffast-math compiles only: linked with it, the library would bring crtfastmath's start-up code,
 # which turns on flush-to-zero for the whole process (Python floats included).
@@ -47,6 +47,11 @@ SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
+    "write_kv": [
+        *(_P, _I64, _I64, _P, _I64, _I64),  # key and value with their token and head strides
+        *(_P, _P, _I64, _I64, _I64),  # k and v cache, their block, slot and head strides
+        *(_P, _I32, _I32, _I32, _I32, _I32),  # slots, tokens, kv heads, dim, block size, threads
+    ],
 }
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mm_engine.kernels import cpu_decode, cpu_prefill
+from mm_engine.kernels import cpu_decode, cpu_kv_write, cpu_prefill
 from mm_engine.kernels.metadata import AttentionMetadata
 
 
@@ -72,7 +72,7 @@ class TorchBackend:
         self.name = "cpu" if c_kernels else "torch"
         # The step's slot mapping and what write_kv derives from it, kept for the other layers
         # (every layer of a step is handed the same tensor): (slot mapping, block size, the mask
-        # of slots kept or None for all, (block, offset) of each kept slot).
+        # of slots kept or None for all, (block, offset) of each kept slot, all slots in the pool).
         self._slots: tuple | None = None
 
     def write_kv(
@@ -88,8 +88,13 @@ class TorchBackend:
             keep = slot_mapping >= 0
             kept = None if bool(keep.all()) else keep
             slots = slot_mapping if kept is None else slot_mapping[kept]
-            self._slots = (slot_mapping, block_size, kept, (slots // block_size, slots % block_size))
-        _, _, kept, where = self._slots  # where: (block, offset), for any cache strides
+            # The C write trusts its slots: an out-of-range one goes to index_put_, which names it.
+            in_range = not len(slots) or int(slots.max()) < k_cache.shape[0] * block_size
+            where = (slots // block_size, slots % block_size)
+            self._slots = (slot_mapping, block_size, kept, where, in_range)
+        _, _, kept, where, in_range = self._slots  # where: (block, offset), for any cache strides
+        if self.c_kernels and in_range and cpu_kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping):
+            return
         if kept is not None:
             key, value = key[kept], value[kept]
         k_cache.index_put_(where, key.to(k_cache.dtype))

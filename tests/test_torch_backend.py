@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from attention_helpers import fill_pool, make_meta
 
-from mm_engine.kernels import cpu_build, cpu_decode
+from mm_engine.kernels import cpu_build, cpu_decode, cpu_kv_write
 from mm_engine.kernels.torch_backend import TorchBackend
 from mm_engine.pools.kv_cache import paged_kv_tensor
 
@@ -37,19 +37,38 @@ def test_batched_decode_matches_per_sequence_attention_with_garbage_in_unused_sl
         torch.testing.assert_close(out[i : i + 1], ref)
 
 
-def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones():
+@pytest.mark.parametrize("c_kernels", [False, True])
+@pytest.mark.parametrize("tokens", [4, 300])  # 300: the C copy's threaded path
+def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones(c_kernels, tokens):
+    """Key and value are strided views into one fused projection output, as the model hands them."""
     g = torch.Generator().manual_seed(1)
-    blocks, bs, kvh, d = 6, 4, 3, 8
+    blocks, bs, kvh, d = 100, 4, 3, 8
     k_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").zero_()
     v_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").zero_()
-    key, value = torch.randn(4, kvh, d, generator=g), torch.randn(4, kvh, d, generator=g)
-    slots = torch.tensor([5, -1, 23, 0])
-    TorchBackend().write_kv(key, value, k_cache, v_cache, slots)
+    fused = torch.randn(tokens, 5 * kvh * d, generator=g)
+    key = fused[:, 2 * kvh * d : 3 * kvh * d].view(tokens, kvh, d)
+    value = fused[:, 4 * kvh * d :].reshape(tokens, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    slots[1] = -1
+    TorchBackend(c_kernels=c_kernels).write_kv(key, value, k_cache, v_cache, slots)
     for tok, slot in enumerate(slots.tolist()):
         if slot >= 0:
             assert torch.equal(k_cache[slot // bs, slot % bs], key[tok])
             assert torch.equal(v_cache[slot // bs, slot % bs], value[tok])
-    assert int((k_cache != 0).any(-1).sum()) == 3 * kvh  # nothing else written
+    assert int((k_cache != 0).any(-1).sum()) == (tokens - 1) * kvh  # nothing else written
+    assert int((v_cache != 0).any(-1).sum()) == (tokens - 1) * kvh
+    if c_kernels:  # and the C copy took these views itself, rather than leaving them to torch
+        k_again, v_again = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        assert cpu_kv_write.write_kv(key, value, k_again, v_again, slots)
+        assert torch.equal(k_again, k_cache) and torch.equal(v_again, v_cache)
+
+
+def test_write_kv_out_of_the_pool_is_an_index_error_on_the_c_path_too():
+    k_cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu").zero_()
+    v_cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu").zero_()
+    key = torch.randn(2, 1, 8)
+    with pytest.raises(IndexError):
+        TorchBackend(c_kernels=True).write_kv(key, key, k_cache, v_cache, torch.tensor([3, 8]))
 
 
 @pytest.mark.parametrize(("heads", "kvh", "d"), [(6, 2, 8), (9, 3, 64), (4, 4, 16), (16, 1, 32)])
