@@ -40,8 +40,14 @@ class Job:
 
 def run_in_child(fn, job: Job) -> dict:
     """`fn(job)` in a spawned process (fresh heap, fresh thread pool)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
         return pool.apply(fn, (job,))
+    finally:
+        # close + join lets the worker exit on its own; the context manager's terminate() killed
+        # it mid-shutdown and left its semaphores to the resource tracker's "leaked" warning.
+        pool.close()
+        pool.join()
 
 
 def _peak_memory(job: Job) -> dict:

@@ -4,8 +4,8 @@
  * weight of the model, so each weight is read from memory once per step and used by few rows.
  * oneDNN's packed sgemm there reached 15-16 GB/s at 1-8 rows (the machine copies at 30) and
  * 150-175 GFLOP/s at 32-64 rows (its square-matrix rate is about 219). This kernel streams each
- * weight once per call and reuses it from cache across all rows, and at 2048 rows (a prefill
- * chunk) it matches oneDNN on the model's shapes.
+ * weight once per call and reuses it from cache across all rows; at 2048 rows (a prefill chunk) it
+ * is within a few percent of oneDNN on the model's shapes.
  *
  * Layout: W [N][K] is packed as panels of NR = 48 output columns, [N / NR][K][NR] (N padded with
  * zero columns; the bias padded alike), so a panel's weights for one k are three vectors in a row.

@@ -6,12 +6,14 @@ tower keeps) read them at about half the machine's copy bandwidth at 1-8 rows an
 about 75% of its matmul rate. On the benchmark model's decoder (30 layers of q/k/v, o, gate/up
 and down projections, 2 threads of the 2-core AVX-512 development machine), best of 5:
 
-    rows              1      8      16     32     48     64     2048 (one GEMM per shape)
-    oneDNN            24 ms  23 ms  28 ms  44 ms  64 ms  79 ms  193-206 GFLOP/s
-    cpu_gemm.c        14 ms  14 ms  24 ms  35 ms  51 ms  69 ms  195-221 GFLOP/s
+    rows              1        8        16       32       48       64       2048
+    oneDNN            19 ms    22-26    26-30    42-52    69-72    76-83    219-220 GFLOP/s
+    cpu_gemm.c        10.5-11  12.5-15  19-20    36-42    58-59    70-77    208-215 GFLOP/s
 
-At one row that is 424 MB of weights at 30 GB/s. Results differ from oneDNN's and MKL's in
-summation order only (about 1e-4 absolute on unit-scale activations), as any two GEMMs do.
+(rows 1-64 in ms per pass over the 30 layers). At one row that is 425 MB of weights at 40 GB/s.
+At 2048 rows (prefill) the two are within a few percent, either way round from run to run; inside
+a caption job they took the same time. Results differ from oneDNN's and MKL's in summation order
+only (about 1e-4 absolute on unit-scale activations), as any two GEMMs do.
 
 `use_for(module)` swaps a float32 CPU module's `nn.Linear`s for `PanelLinear`s (the engine does
 it for the language model on the "cpu" backend); nothing changes where the kernels do not build.
