@@ -7,8 +7,8 @@
  * weight once per call and reuses it from cache across all rows; at 2048 rows (a prefill chunk) it
  * is within a few percent of oneDNN on the model's shapes.
  *
- * Layout: W [N][K] is packed as panels of NR = 48 output columns, [N / NR][K][NR] (N padded with
- * zero columns; the bias padded alike), so a panel's weights for one k are three vectors in a row.
+ * Layout: W [N][K] is packed as panels of NR = 48 output columns, [ceil(N / NR)][K][NR] (N padded
+ * with zero columns; the bias padded alike), so a panel's weights for one k are three vectors in a row.
  *
  * Work: the panels are split evenly between the threads (each streams its own weights). Per block
  * of MC rows and KC of K, each panel's KC x 48 weights (144 KiB at KC = 768) are reused from L2 by
@@ -87,7 +87,7 @@ int gemm_panels(const float *x, int64_t ldx, const float *panels, const float *b
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int64_t)n_panels * t / nt, p1 = (int64_t)n_panels * (t + 1) / nt;
-        float edge[MR * NR]; /* a partial panel's earlier sums, read back whole */
+        float edge[MR * NR] = {0}; /* a partial panel's earlier sums, read back whole */
         for (int m0 = 0; m0 < M; m0 += MC) {
             const int rows = M - m0 < MC ? M - m0 : MC, strips = (rows + MR - 1) / MR;
             for (int k0 = 0; k0 < K; k0 += KC) {

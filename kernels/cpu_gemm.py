@@ -43,6 +43,9 @@ class PanelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        w = linear.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            raise TypeError(f"PanelLinear packs float32 CPU weights, got {w.dtype} on {w.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
             self.panels = pack_panels(linear.weight.detach())
@@ -59,7 +62,7 @@ class PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features)
+        out = rows.new_empty((rows.shape[0], self.out_features))
         if rows.shape[0]:
             cpu_build.load().gemm_panels(
                 rows.data_ptr(),

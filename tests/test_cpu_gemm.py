@@ -101,3 +101,44 @@ def test_engine_runs_the_language_model_on_the_c_gemm_and_the_tower_on_onednn(si
     x = torch.randn(5, fast.config.text_config.hidden_size, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(layer.mlp(x), ref.mlp(x), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(layer.self_attn.qkv_proj(x), ref.self_attn.qkv_proj(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])  # 8: more threads than the 3 panels
+def test_gemm_writes_only_its_columns_of_a_wider_output(threads):
+    """Straight to the kernel, into rows wider than N: the columns past N must keep their marker,
+    whatever the thread count (the tests otherwise run at the machine's)."""
+    lin = _linear(1000, 130, True, seed=5)  # two K blocks, the last panel 34 columns wide
+    fast = PanelLinear(lin)
+    x = torch.randn(21, 1000, generator=torch.Generator().manual_seed(6))
+    y = torch.full((21, 137), 7.0)
+    cpu_build.load().gemm_panels(
+        x.data_ptr(),
+        1000,
+        fast.panels.data_ptr(),
+        fast.bias.data_ptr(),
+        y.data_ptr(),
+        137,
+        21,
+        130,
+        1000,
+        threads,
+    )
+    torch.testing.assert_close(y[:, :130], lin(x), rtol=1e-4, atol=1e-4)
+    assert torch.equal(y[:, 130:], torch.full((21, 7), 7.0))
+
+
+def test_panel_linear_refuses_weights_it_cannot_pack():
+    with pytest.raises(TypeError, match="float32 CPU weights"):
+        PanelLinear(nn.Linear(8, 4).to(torch.bfloat16))
+
+
+def test_without_the_kernels_nothing_is_switched(monkeypatch):
+    from mm_engine.kernels import cpu_kv_write
+    from mm_engine.pools.kv_cache import paged_kv_tensor
+
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert use_for(model) == 0 and isinstance(model[0], nn.Linear)
+    cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu")
+    key = torch.randn(1, 1, 8)
+    assert not cpu_kv_write.write_kv(key, key, cache, cache, torch.tensor([0]))
