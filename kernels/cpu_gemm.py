@@ -43,8 +43,8 @@ class PanelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu":
+        if not _float32_on_cpu(linear):
+            w = linear.weight
             raise TypeError(f"PanelLinear packs float32 CPU weights, got {w.dtype} on {w.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
@@ -83,18 +83,16 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
+def _float32_on_cpu(linear: nn.Linear) -> bool:
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+
 def use_for(module: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` under `module` with a `PanelLinear`; returns how many
     (none when the kernels cannot be built). A weight tied to another module (an LM head tied to
     the embeddings) is copied, not moved."""
+    from mm_engine.packed_linear import swap_linears  # not at import: mm_engine imports this package
+
     if cpu_build.load() is None:
         return 0
-    count = 0
-    for name, child in list(module.named_children()):
-        w = getattr(child, "weight", None)
-        if isinstance(child, nn.Linear) and w.device.type == "cpu" and w.dtype == torch.float32:
-            setattr(module, name, PanelLinear(child))
-            count += 1
-        else:
-            count += use_for(child)
-    return count
+    return swap_linears(module, _float32_on_cpu, PanelLinear)

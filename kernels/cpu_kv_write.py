@@ -29,8 +29,10 @@ def write_kv(
         or k_cache.stride(3) != 1
     ):
         return False
+    if k_cache.shape[2:] != (kv_heads, dim) or v_cache.shape != k_cache.shape:
+        return False
     if (
-        k_cache.shape[2:] != (kv_heads, dim)
+        slot_mapping.device.type != "cpu"
         or slot_mapping.shape != (tokens,)
         or not slot_mapping.is_contiguous()
     ):

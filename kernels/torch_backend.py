@@ -72,7 +72,8 @@ class TorchBackend:
         self.name = "cpu" if c_kernels else "torch"
         # The step's slot mapping and what write_kv derives from it, kept for the other layers
         # (every layer of a step is handed the same tensor): (slot mapping, block size, the mask
-        # of slots kept or None for all, (block, offset) of each kept slot, all slots in the pool).
+        # of slots kept or None for all, (block, offset) of each kept slot, whether the C write may
+        # take them).
         self._slots: tuple | None = None
 
     def write_kv(
@@ -89,11 +90,11 @@ class TorchBackend:
             kept = None if bool(keep.all()) else keep
             slots = slot_mapping if kept is None else slot_mapping[kept]
             # The C write trusts its slots: an out-of-range one goes to index_put_, which names it.
-            in_range = not len(slots) or int(slots.max()) < k_cache.shape[0] * block_size
+            in_range = self.c_kernels and (not len(slots) or int(slots.max()) < k_cache.shape[0] * block_size)
             where = (slots // block_size, slots % block_size)
             self._slots = (slot_mapping, block_size, kept, where, in_range)
         _, _, kept, where, in_range = self._slots  # where: (block, offset), for any cache strides
-        if self.c_kernels and in_range and cpu_kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping):
+        if in_range and cpu_kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping):
             return
         if kept is not None:
             key, value = key[kept], value[kept]

@@ -62,13 +62,19 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every packable `nn.Linear` under `module` with a `PackedLinear`; returns how many.
-    A weight tied to another module (an LM head tied to the embeddings) is copied, not moved."""
+    """Replace every packable `nn.Linear` under `module` with a `PackedLinear`; returns how many."""
+    return swap_linears(module, can_pack, PackedLinear)
+
+
+def swap_linears(module: nn.Module, accept, wrap) -> int:
+    """Replace every `nn.Linear` under `module` that `accept(linear)` takes with `wrap(linear)`;
+    returns how many. A weight tied to another module (an LM head tied to the embeddings) is
+    copied by the wrapper, not moved."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and can_pack(child):
-            setattr(module, name, PackedLinear(child))
+        if isinstance(child, nn.Linear) and accept(child):
+            setattr(module, name, wrap(child))
             count += 1
         else:
-            count += pack_linears(child)
+            count += swap_linears(child, accept, wrap)
     return count
