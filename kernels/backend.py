@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from mm_engine.kernels.cpu_kernels import CpuKernels
 from mm_engine.kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -55,7 +56,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, kernels: CpuKernels | None = None) -> AttentionBackend:
+    """`kernels`: the CPU C kernels the "cpu" backend uses (kernels/cpu_kernels.py); without
+    them "cpu" is the plain torch path."""
     name = resolve_backend_name(name, device)
     if name == "triton":
         from mm_engine.kernels.triton_backend import TritonBackend
@@ -65,4 +68,4 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
 
     # "cpu" is the torch path with attention through the C kernels where they build; "torch" is
     # the plain reference.
-    return TorchBackend(c_kernels=name == "cpu")
+    return TorchBackend(kernels if name == "cpu" else None)

@@ -1,38 +1,70 @@
-"""The CPU kernels in C (`cpu_decode.c`, `cpu_prefill.c`, `cpu_elementwise.c`, `cpu_gemm.c`,
-`cpu_kv_write.c`): built once, loaded via ctypes.
+"""The CPU kernels in C, built once per ISA variant and loaded via ctypes.
 
-They are compiled on first use with the system C compiler (`cc`, or `$CC`) for this CPU into one
-library, cached under `~/.cache/mm-engine/kernels` (or `$MM_ENGINE_CACHE`), keyed by the sources,
-the flags and the CPU's feature flags. Without a compiler, or when the build fails, `load()`
-returns None once with a warning and callers keep the torch path: the kernels are an
-acceleration, never a requirement.
+Variants (cpu_simd.h sizes the vectors and register tiles from each):
+- `avx512`: AVX-512 F/BW/DQ/VL with AVX2 and FMA, 64-byte vectors;
+- `avx2`: AVX2 and FMA, 32-byte vectors;
+- `portable`: the architecture's baseline (SSE2 on x86-64, NEON on aarch64), compiler-vectorised.
+
+Which variants this CPU runs is read from cpuid (`cpu_features.c`, built without ISA flags), never
+from a text file, and a variant is loaded only where the CPU has every feature it was compiled
+for: whatever the build cache holds, no illegal instruction can be reached. Each library is
+compiled with IEEE semantics (no -ffast-math) and explicit ISA flags (no -march=native), cached
+under `~/.cache/mm-engine/kernels` (or `$MM_ENGINE_CACHE`) keyed by the sources, the compiler,
+the flags and the OpenMP runtime it links.
+
+One thread pool: the libraries link the OpenMP runtime torch itself loaded (found in the
+process's memory map), so their parallel regions run on torch's intra-op threads and
+`torch.set_num_threads` governs both. Without a compiler, or when a build fails, `load()` returns
+None and says why in `status()`; callers keep the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import torch  # loaded first: its OpenMP runtime is the one the kernels link
 
 log = logging.getLogger(__name__)
 
+HERE = Path(__file__).parent
 SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c", "cpu_gemm.c", "cpu_kv_write.c")
+    HERE / f"{n}.c" for n in ("cpu_decode", "cpu_prefill", "cpu_elementwise", "cpu_gemm", "cpu_kv_write")
 ]
-# -ffast-math compiles only: linked with it, the library would bring crtfastmath's start-up code,
-# which turns on flush-to-zero for the whole process (Python floats included).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-LINK = ["-shared", "-fopenmp"]
-_UNSET = object()
-_lib: object = _UNSET
+HEADERS = [HERE / "cpu_simd.h"]
+FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16")
+# IEEE semantics kept: no -ffinite-math-only, no reciprocal approximations. errno and traps are
+# never read, and dropping them lets sqrtf and the comparisons vectorise.
+COMMON = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]  # cpuid features, all required
+
+
+_AVX2 = ("-mavx", "-mavx2", "-mfma")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+_BASE = ("-march=x86-64",) if _X86 else ("-march=armv8-a",) if platform.machine() == "aarch64" else ()
+VARIANTS = {
+    "avx512": Variant("avx512", (*_BASE, *_AVX512, "-DMM_VEC_BYTES=64"), FEATURES[:7]),
+    "avx2": Variant("avx2", (*_BASE, *_AVX2, "-DMM_VEC_BYTES=32"), ("avx", "avx2", "fma")),
+    "portable": Variant("portable", (*_BASE, "-DMM_VEC_BYTES=16"), ()),
+}
+if not _X86:  # the x86 variants cannot even be compiled there
+    VARIANTS = {"portable": VARIANTS["portable"]}
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -47,6 +79,7 @@ SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
+    "gemm_panel_width": [],
     "write_kv": [
         *(_P, _I64, _I64, _P, _I64, _I64),  # key and value with their token and head strides
         *(_P, _P, _I64, _I64, _I64),  # k and v cache, their block, slot and head strides
@@ -54,68 +87,160 @@ SIGNATURES = {
     ],
 }
 
+_libs: dict[str, ctypes.CDLL | None] = {}
+_errors: dict[str, str] = {}
+_features: frozenset[str] | None = None
 
-def _cpu_flags() -> str:
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def compiler_version() -> str | None:
+    cc = compiler()
+    if cc is None:
+        return None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def openmp_runtime() -> Path | None:
+    """The OpenMP runtime this process has loaded (torch's own), from its memory map."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
-        pass
-    return ""
+        return None
+    for line in maps:
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in name:
+            return Path(path)
+    return None
 
 
-def _build(compiler: str) -> Path:
-    sources = b"".join(s.read_bytes() for s in SOURCES)
-    setup = " ".join([compiler, *FLAGS, *LINK, _cpu_flags()]).encode()
-    key = hashlib.sha256(sources + setup).hexdigest()[:16]
+def cpu_features() -> frozenset[str]:
+    """This CPU's features (of FEATURES), from cpuid; empty where the probe cannot be built."""
+    global _features
+    if _features is None:
+        _features = frozenset()
+        try:
+            probe = _load_library("probe", [HERE / "cpu_features.c"], [], link_openmp=False)
+            bits = probe.cpu_features()
+            _features = frozenset(f for i, f in enumerate(FEATURES) if bits >> i & 1)
+        except (OSError, subprocess.SubprocessError, FileNotFoundError) as e:
+            _errors["probe"] = _describe(e)
+    return _features
+
+
+def supported(name: str) -> bool:
+    """Whether this CPU runs variant `name` (known, and every feature it needs is present)."""
+    variant = VARIANTS.get(name)
+    return variant is not None and set(variant.needs) <= cpu_features()
+
+
+def best_variant() -> str:
+    """The widest variant this CPU runs, or `$MM_ENGINE_CPU_VARIANT` where that is set (and runs)."""
+    wanted = os.environ.get("MM_ENGINE_CPU_VARIANT")
+    if wanted:
+        if wanted not in VARIANTS:
+            raise ValueError(f"MM_ENGINE_CPU_VARIANT must be one of {sorted(VARIANTS)}, got {wanted!r}")
+        if not supported(wanted):
+            raise ValueError(f"MM_ENGINE_CPU_VARIANT={wanted}: this CPU lacks {why_unsupported(wanted)}")
+        return wanted
+    return next(name for name in VARIANTS if supported(name))
+
+
+def why_unsupported(name: str) -> str:
+    missing = [f for f in VARIANTS[name].needs if f not in cpu_features()] if name in VARIANTS else [name]
+    return ", ".join(missing)
+
+
+def load(variant: str | None = None) -> ctypes.CDLL | None:
+    """The kernel library of `variant` (default: `best_variant()`), built on first call; None when
+    it cannot be built here or the CPU cannot run it (`status()` says why)."""
+    name = variant or best_variant()
+    if name not in _libs:
+        _libs[name] = None
+        if not supported(name):
+            _errors[name] = f"this CPU lacks {why_unsupported(name)}"
+        else:
+            try:
+                lib = _load_library(name, SOURCES, list(VARIANTS[name].flags))
+                for fn_name, argtypes in SIGNATURES.items():
+                    fn = getattr(lib, fn_name)
+                    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                _libs[name] = lib
+            except (OSError, subprocess.SubprocessError, FileNotFoundError) as e:
+                _errors[name] = _describe(e)
+                log.warning("CPU C kernels (%s) unavailable, using the torch path: %s", name, _errors[name])
+    return _libs[name]
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is what the kernels take: float32 on the CPU."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def status() -> dict:
+    """What was found and built: for `mm-engine env`, /health and the start-up log."""
+    return {
+        "machine": platform.machine(),
+        "features": sorted(cpu_features()),
+        "compiler": compiler_version(),
+        "openmp_runtime": str(openmp_runtime() or ""),
+        "built": sorted(n for n, lib in _libs.items() if lib is not None),
+        "errors": dict(_errors),
+    }
+
+
+def _describe(e: Exception) -> str:
+    detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip()[-400:]
+    return f"{e} {detail}".strip()
+
+
+def _load_library(name: str, sources: list[Path], flags: list[str], link_openmp: bool = True) -> ctypes.CDLL:
+    cc = compiler()
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC) on PATH")
+    runtime = openmp_runtime() if link_openmp else None
+    # torch's runtime by path (its soname is already loaded, so the library shares it); where none
+    # is mapped, the compiler's own.
+    link = [str(runtime), f"-Wl,-rpath,{runtime.parent}"] if runtime else ["-fopenmp"] if link_openmp else []
+    try:
+        return ctypes.CDLL(str(_build(cc, name, sources, flags, link)))
+    except (OSError, subprocess.SubprocessError):
+        if not runtime:
+            raise
+        log.warning("linking torch's OpenMP runtime failed; the %s kernels use the compiler's", name)
+        return ctypes.CDLL(str(_build(cc, name, sources, flags, ["-fopenmp"])))
+
+
+def _build(cc: str, name: str, sources: list[Path], flags: list[str], link: list[str]) -> Path:
+    text = b"".join(p.read_bytes() for p in [*sources, *HEADERS])
+    setup = " ".join([cc, compiler_version() or "", *COMMON, *flags, *link]).encode()
+    key = hashlib.sha256(text + setup).hexdigest()[:16]
     root = Path(os.environ.get("MM_ENGINE_CACHE", Path.home() / ".cache" / "mm-engine")) / "kernels"
-    target = root / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError:  # a read-only home: build into the temp folder instead
         root = Path(tempfile.gettempdir()) / "mm-engine-kernels"
         root.mkdir(parents=True, exist_ok=True)
-        target = root / target.name
+    target = root / f"cpu_kernels-{name}-{key}.so"
+    if target.exists():
+        return target
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        objects = [Path(tmp) / f"{s.stem}.o" for s in SOURCES]
-        for source, obj in zip(SOURCES, objects, strict=True):
-            _run([compiler, *FLAGS, "-c", str(source), "-o", str(obj)])
+        objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
+        for source, obj in zip(sources, objects, strict=True):
+            _run([cc, *COMMON, *flags, f"-I{HERE}", "-c", str(source), "-o", str(obj)])
         built = Path(tmp) / target.name
-        _run([compiler, *LINK, *map(str, objects), "-o", str(built), "-lm"])
+        _run([cc, "-shared", *map(str, objects), *link, "-o", str(built), "-lm"])
         os.replace(built, target)  # atomic: concurrent builders each land a whole file
     return target
 
 
 def _run(cmd: list[str]) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-
-
-def lib_for(*tensors) -> ctypes.CDLL | None:
-    """The library, when it is built and every tensor is a float32 CPU tensor (what the kernels
-    take); else None, and the caller keeps its torch path."""
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return load()
-    return None
-
-
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first call; None when it cannot be built here."""
-    global _lib
-    if _lib is _UNSET:
-        _lib = None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        try:
-            if compiler is None:
-                raise FileNotFoundError("no C compiler (cc, gcc or $CC) on PATH")
-            lib = ctypes.CDLL(str(_build(compiler)))
-            for name, argtypes in SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            _lib = lib
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-500:]
-            log.warning("CPU C kernels unavailable, using the torch path: %s %s", e, detail)
-    return _lib  # type: ignore[return-value]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=180)

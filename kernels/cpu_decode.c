@@ -7,12 +7,12 @@
  * instead of being gathered into a padded copy first (which is what the torch path must do).
  * Slots at or past a sequence's length are never read, whatever they hold.
  *
- * Built by kernels/cpu_build.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
+ * Built by kernels/cpu_build.py, once per ISA variant (cpu_simd.h); the head-size loops are left to
+ * the compiler's vectoriser.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "cpu_simd.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
         float sum = 0.f, *sg = scores + g * len;
 #pragma omp simd reduction(+ : sum)
         for (int p = 0; p < len; p++) {
-            sg[p] = expf(sg[p] - best[g]);
+            sg[p] = mm_expf(sg[p] - best[g]);
             sum += sg[p];
         }
         total[g] = sum;

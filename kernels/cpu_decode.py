@@ -1,17 +1,21 @@
 """The C decode-attention kernel for the CPU pool (`cpu_decode.c`), called via ctypes.
 
 The kernel reads each sequence's K/V straight from the pool, where the torch path first gathers a
-padded copy; on the benchmark model that is 2-5x faster per layer. kernels/cpu_build.py builds it.
+padded copy; on the benchmark model that is 2-5x faster per layer. It takes the library of one ISA
+variant (kernels/cpu_build.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from mm_engine.kernels import cpu_build
+from mm_engine.kernels.cpu_build import takes
 
 
 def paged_decode(
+    lib: ctypes.CDLL,
     q: torch.Tensor,  # [n, heads, dim]
     k_cache: torch.Tensor,  # the pool's [blocks, slots, kv_heads, dim] view of head-major storage
     v_cache: torch.Tensor,
@@ -22,8 +26,7 @@ def paged_decode(
 ) -> torch.Tensor | None:
     """Attention of one query per sequence, or None when the kernel does not apply here (not
     built, not float32, not the pool's layout); the caller then takes the torch path."""
-    lib = cpu_build.lib_for(q, k_cache, v_cache)
-    if lib is None or not (
+    if not takes(q, k_cache, v_cache) or not (
         k_cache.transpose(1, 2).is_contiguous() and v_cache.transpose(1, 2).is_contiguous()
     ):
         return None

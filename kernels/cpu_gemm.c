@@ -7,36 +7,39 @@
  * weight once per call and reuses it from cache across all rows; at 2048 rows (a prefill chunk) it
  * is within a few percent of oneDNN on the model's shapes.
  *
- * Layout: W [N][K] is packed as panels of NR = 48 output columns, [ceil(N / NR)][K][NR] (N padded
- * with zero columns; the bias padded alike), so a panel's weights for one k are three vectors in a row.
+ * Layout: W [N][K] is packed as panels of NR output columns, [ceil(N / NR)][K][NR] (N padded with
+ * zero columns; the bias padded alike), so a panel's weights for one k are NV vectors in a row.
+ * NR follows the variant's registers (`gemm_panel_width()` tells the packer): AVX-512 tiles are
+ * 8 rows x 3 vectors (NR = 48: 24 accumulators, 3 weights and a broadcast of its 32 registers),
+ * AVX2 and portable tiles the classic 6 rows x 2 vectors (NR = 16 or 8: 12 + 2 + 1 of 16).
  *
  * Work: the panels are split evenly between the threads (each streams its own weights). Per block
- * of MC rows and KC of K, each panel's KC x 48 weights (144 KiB at KC = 768) are reused from L2 by
- * every strip of up to 8 rows: a register tile of 8 rows x 48 columns, 24 accumulators, fed by
- * three weight vectors and a broadcast of each row's x per k. A block's rows are cut into strips
- * of near-equal height (20 rows: 3 strips of 6-7, not 2 of 8 and one of 4). Against tiles of
- * 12 rows x 32 columns (two vectors, more broadcasts per multiply-add), this shape ran 64 rows
- * at 196-209 against 193-207 GFLOP/s, 16 rows at 175 against 141-175, and the 2048 x 576 x 3072
- * MLP projection at 216 against 207-211.
+ * of MC rows and KC of K, each panel's KC x NR weights (144 KiB at KC = 768 on AVX-512) are reused
+ * from L2 by every strip of up to MR rows, a register tile of MR rows x NR columns fed by NV
+ * weight vectors and a broadcast of each row's x per k. A block's rows are cut into strips of
+ * near-equal height (20 rows: 3 strips of 6-7, not 2 of 8 and one of 4). On AVX-512, against
+ * tiles of 12 rows x 32 columns (two vectors, more broadcasts per multiply-add), 8 x 48 ran 64
+ * rows at 196-209 against 193-207 GFLOP/s, 16 rows at 175 against 141-175, and the 2048 x 576 x
+ * 3072 MLP projection at 216 against 207-211.
  *
- * Built by kernels/cpu_build.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
+ * Built by kernels/cpu_build.py, once per ISA variant (cpu_simd.h).
  */
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
 
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_u __attribute__((vector_size(64), aligned(4), may_alias)); /* unaligned access */
-#define LANES 16
-#define NV 3            /* vectors of output columns per panel */
-#define NR (NV * LANES) /* output columns per panel: 48 */
-#define MR 8            /* rows per register tile, at most */
+#include "cpu_simd.h"
+
+#if WIDE_REGISTERS
+#define NV 3 /* vectors of output columns per panel */
+#define MR 8 /* rows per register tile, at most */
+#else
+#define NV 2
+#define MR 6
+#endif
+#define NR (NV * LANES) /* output columns per panel */
 #define MC 96           /* rows per block */
 #define KC 768          /* K per block: larger K is summed block by block through y */
 
-static inline vec load(const float *p) { return *(const vec_u *)p; }
-static inline void store(float *p, vec v) { *(vec_u *)p = v; }
-static inline vec splat(float x) { return (vec){} + x; }
+int gemm_panel_width(void) { return NR; }
 
 /* R rows x NR columns of y = init + x[:, :k_len] w, w one panel's k_len x NR weights. init (row
  * stride ldi; 0 repeats one row, the bias) is the bias, an earlier K block's sums, or none (zero).
@@ -72,11 +75,14 @@ GEMM_TILE(tile3, 3)
 GEMM_TILE(tile4, 4)
 GEMM_TILE(tile5, 5)
 GEMM_TILE(tile6, 6)
+typedef void (*tile_fn)(const float *, int64_t, const float *, int, const float *, int64_t, float *, int64_t, int);
+#if MR == 8
 GEMM_TILE(tile7, 7)
 GEMM_TILE(tile8, 8)
-
-typedef void (*tile_fn)(const float *, int64_t, const float *, int, const float *, int64_t, float *, int64_t, int);
 static const tile_fn TILES[MR + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};
+#else
+static const tile_fn TILES[MR + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
+#endif
 
 /* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) W^T + bias; `panels` from the packing
  * above, `bias` (padded to whole panels) may be NULL. */

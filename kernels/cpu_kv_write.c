@@ -9,7 +9,7 @@
  * overhead; a plain row copy is a few microseconds. Large writes (prefill chunks) are split
  * between threads by token.
  *
- * Built by kernels/cpu_build.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
+ * Built by kernels/cpu_build.py, once per ISA variant.
  */
 #include <stdint.h>
 #include <string.h>

@@ -4,22 +4,29 @@ decode step's 64 rows, a few microseconds as plain copies). kernels/cpu_build.py
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from mm_engine.kernels import cpu_build
+from mm_engine.kernels.cpu_build import takes
 
 
 def write_kv(
+    lib: ctypes.CDLL,
     key: torch.Tensor,  # [tokens, kv_heads, dim], rows contiguous (any token and head stride)
     value: torch.Tensor,
     k_cache: torch.Tensor,  # the pool's [blocks, slots, kv_heads, dim] view
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [tokens]; below zero: skipped. The caller checks the range.
 ) -> bool:
-    """Write in place; False (nothing written) where the kernel does not apply: not built, not
-    float32 on CPU, or a layout it does not take. The caller then takes the torch path."""
-    lib = cpu_build.lib_for(key, value, k_cache, v_cache)
-    if lib is None or key.dim() != 3 or value.shape != key.shape or slot_mapping.dtype != torch.int64:
+    """Write in place; False (nothing written) where the kernel does not apply: not float32 on
+    CPU, or a layout it does not take. The caller then takes the torch path."""
+    if (
+        not takes(key, value, k_cache, v_cache)
+        or key.dim() != 3
+        or value.shape != key.shape
+        or slot_mapping.dtype != torch.int64
+    ):
         return False
     tokens, kv_heads, dim = key.shape
     if (

@@ -18,30 +18,32 @@
  *     stored once, normalised, straight into the output.
  * The causal triangle is skipped but for its diagonal tiles; SDPA on CPU computes it all.
  *
- * Built by kernels/cpu_build.py with the system C compiler (-O3 -march=native -ffast-math -fopenmp).
- * GCC's vector extension keeps it portable: on a CPU without 512-bit vectors it is split in halves.
+ * Built by kernels/cpu_build.py, once per ISA variant (cpu_simd.h): the tiles below are sized from
+ * the variant's register file.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_u __attribute__((vector_size(64), aligned(4), may_alias)); /* unaligned access */
-#define LANES 16
-/* Register tiles of 24 accumulators: 6 rows x 64 keys of scores, 6 rows x 64 dims of output. On
- * the 2-core AVX-512 EPYC, 10 images' SigLIP attention (196 tokens, 12 heads) took 9.2 ms with
- * them against 10.3 ms with 8 x 32 score tiles; smaller output tiles ran at 70-75% of the rate. */
+#include "cpu_simd.h"
+
+/* Register tiles: 6 rows x KEY_VECS vectors of scores, 6 rows x DIM_VECS vectors of output. With
+ * AVX-512's 32 registers that is 24 accumulators (on the 2-core AVX-512 EPYC, 10 images' SigLIP
+ * attention, 196 tokens, 12 heads, took 9.2 ms with them against 10.3 ms with 8 x 32 score tiles;
+ * smaller output tiles ran at 70-75% of the rate); with 16 registers, 12 accumulators, two loads
+ * and a broadcast. */
 #define SCORE_ROWS 6
 #define VALUE_ROWS 6
-#define PAD_ROWS 8        /* rows past a tile's last, up to the next multiple of either tile */
-#define KEYS (4 * LANES)  /* keys per score tile (the last may be fewer) */
-#define DIMS (4 * LANES)  /* head dims per output tile (head sizes: any multiple of LANES) */
-#define TILE_ROWS 48      /* rows (tokens x group) per unit of work */
+#if WIDE_REGISTERS
+#define KEY_VECS 4
+#define DIM_VECS 4
+#else
+#define KEY_VECS 2
+#define DIM_VECS 2
+#endif
+#define PAD_ROWS 8             /* rows past a tile's last, up to the next multiple of either tile */
+#define KEYS (KEY_VECS * LANES) /* keys per score tile (the last may be fewer) */
+#define DIMS (DIM_VECS * LANES) /* head dims per output tile (head sizes: any multiple of LANES) */
+#define TILE_ROWS 48           /* rows (tokens x group) per unit of work */
 
-static inline vec load(const float *p) { return *(const vec_u *)p; }
-static inline void store(float *p, vec v) { *(vec_u *)p = v; }
-static inline vec splat(float x) { return (vec){} + x; }
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 typedef struct {
@@ -58,32 +60,43 @@ static inline const float *kv_row(const kv_t *kv, const float *base, int seq, in
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
-typedef int ivec __attribute__((vector_size(64)));
-/* A 16 x 16 transpose in four butterfly stages: at stage h, rows i and i + h (i & h == 0) swap
- * their off-diagonal h x h blocks, each output one two-source shuffle (vpermt2ps on AVX-512). */
-#define SWAP_BLOCKS(H, LO, HI)                                                                  \
+/* A LANES x LANES transpose in log2(LANES) butterfly stages: at stage h, rows i and i + h
+ * (i & h == 0) swap their off-diagonal h x h blocks, each output one two-source shuffle
+ * (vpermt2ps on AVX-512). Lane l of the first output takes a[l] or b[l - h], of the second
+ * a[l + h] or b[l]. */
+#define LO(h, l) (((l) & (h)) ? LANES + (l) - (h) : (l))
+#define HI(h, l) (((l) & (h)) ? LANES + (l) : (l) + (h))
+#if LANES == 16
+#define MASK(F, h) ((ivec){F(h, 0), F(h, 1), F(h, 2), F(h, 3), F(h, 4), F(h, 5), F(h, 6), F(h, 7),       \
+                           F(h, 8), F(h, 9), F(h, 10), F(h, 11), F(h, 12), F(h, 13), F(h, 14), F(h, 15)})
+#elif LANES == 8
+#define MASK(F, h) ((ivec){F(h, 0), F(h, 1), F(h, 2), F(h, 3), F(h, 4), F(h, 5), F(h, 6), F(h, 7)})
+#else
+#define MASK(F, h) ((ivec){F(h, 0), F(h, 1), F(h, 2), F(h, 3)})
+#endif
+#define SWAP_BLOCKS(H)                                                                          \
     for (int i = 0; i < LANES; i++)                                                             \
         if (!(i & H)) {                                                                         \
             const vec a = r[i], b = r[i + H];                                                   \
-            r[i] = __builtin_shuffle(a, b, (ivec)LO), r[i + H] = __builtin_shuffle(a, b, (ivec)HI); \
+            r[i] = __builtin_shuffle(a, b, MASK(LO, H)), r[i + H] = __builtin_shuffle(a, b, MASK(HI, H)); \
         }
-static inline void transpose16(vec r[LANES]) {
-    SWAP_BLOCKS(8, ((ivec){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
-                ((ivec){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
-    SWAP_BLOCKS(4, ((ivec){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
-                ((ivec){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
-    SWAP_BLOCKS(2, ((ivec){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
-                ((ivec){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
-    SWAP_BLOCKS(1, ((ivec){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
-                ((ivec){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+static inline void transpose_lanes(vec r[LANES]) {
+#if LANES >= 16
+    SWAP_BLOCKS(8)
+#endif
+#if LANES >= 8
+    SWAP_BLOCKS(4)
+#endif
+    SWAP_BLOCKS(2)
+    SWAP_BLOCKS(1)
 }
 #undef SWAP_BLOCKS
-#define HAVE_TRANSPOSE16 1
+#define HAVE_TRANSPOSE 1
 #endif
 
 /* kt[d * kpad + j] = key j's dim d for j < len, zeros up to kpad (a multiple of LANES). */
 static void transpose_keys(const kv_t *kv, int seq, int head, int len, int64_t kpad, float *kt) {
-#ifdef HAVE_TRANSPOSE16
+#ifdef HAVE_TRANSPOSE
     static const float zeros[LANES] = {0};
     for (int j0 = 0; j0 < kpad; j0 += LANES) {
         const float *rows[LANES];
@@ -91,7 +104,7 @@ static void transpose_keys(const kv_t *kv, int seq, int head, int len, int64_t k
         for (int d0 = 0; d0 < kv->dim; d0 += LANES) {
             vec r[LANES];
             for (int i = 0; i < LANES; i++) r[i] = rows[i] ? load(rows[i] + d0) : load(zeros);
-            transpose16(r);
+            transpose_lanes(r);
             for (int d = 0; d < LANES; d++) store(kt + (d0 + d) * kpad + j0, r[d]);
         }
     }
@@ -123,19 +136,25 @@ static void transpose_keys(const kv_t *kv, int seq, int head, int len, int64_t k
         for (int r = 0; r < SCORE_ROWS; r++)                                                             \
             for (int c = 0; c < C; c++) store(s + r * ss + j + c * LANES, a[r][c] * scale);              \
     }
-SCORE_TILE(score_tile4, 4)
-SCORE_TILE(score_tile3, 3)
 SCORE_TILE(score_tile2, 2)
 SCORE_TILE(score_tile1, 1)
+#if KEY_VECS == 4
+SCORE_TILE(score_tile4, 4)
+SCORE_TILE(score_tile3, 3)
+#endif
 
 /* Scores of SCORE_ROWS rows against keys j .. j + KEYS, fewer where the padded row ends first. */
 static inline void score_tile(const float *const q[SCORE_ROWS], const float *kt, int64_t kpad, int dim, int j,
                               int64_t ss, float scale, float *s) {
     switch ((ss - j) / LANES) {
     case 1: score_tile1(q, kt, kpad, dim, j, scale, s, ss); break;
+#if KEY_VECS == 4
     case 2: score_tile2(q, kt, kpad, dim, j, scale, s, ss); break;
     case 3: score_tile3(q, kt, kpad, dim, j, scale, s, ss); break;
     default: score_tile4(q, kt, kpad, dim, j, scale, s, ss);
+#else
+    default: score_tile2(q, kt, kpad, dim, j, scale, s, ss);
+#endif
     }
 }
 
@@ -146,7 +165,7 @@ static inline float softmax_row(float *s, int visible, int n_keys) {
     for (int j = 0; j < visible; j++) best = s[j] > best ? s[j] : best;
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < visible; j++) {
-        s[j] = expf(s[j] - best);
+        s[j] = mm_expf(s[j] - best);
         sum += s[j];
     }
     memset(s + visible, 0, sizeof(float) * (n_keys - visible));
@@ -154,7 +173,7 @@ static inline float softmax_row(float *s, int visible, int n_keys) {
 }
 
 /* o_r[dc .. dc + C * LANES] = inv_r * sum_j w_r[j] v_j over the n_keys keys of sequence `seq`'s KV
- * head `head`, for VALUE_ROWS rows: C = 4 vectors of head dims at a time, then C = 1 for a head
+ * head `head`, for VALUE_ROWS rows: C = DIM_VECS vectors of head dims at a time, then C = 1 for a head
  * size that is not a multiple of DIMS. The sums stay in registers over every key, block by block,
  * and are stored once, already normalised. */
 #define VALUE_TILE(NAME, C)                                                                               \
@@ -178,7 +197,7 @@ static inline float softmax_row(float *s, int visible, int n_keys) {
         for (int r = 0; r < VALUE_ROWS; r++)                                                              \
             for (int c = 0; c < C; c++) store(o[r] + dc + c * LANES, a[r][c] * inv[r]);                   \
     }
-VALUE_TILE(value_tile, 4)
+VALUE_TILE(value_tile, DIM_VECS)
 VALUE_TILE(value_tile_narrow, 1)
 
 typedef struct {
@@ -249,7 +268,9 @@ int paged_prefill(const float *q, int64_t q_token_stride, int64_t q_head_stride,
                   const int32_t *q_lens, const int32_t *seq_lens, int n, float *out, int heads,
                   int kv_heads, int block_size, int dim, float scale, int causal, int threads) {
     const int group = heads / kv_heads;
-    if (group * kv_heads != heads || group > TILE_ROWS || dim % LANES) return -1;
+    /* Head sizes that are multiples of 16 on every variant (all of 64, 80, 96, 128, 256), so that
+     * what the kernel takes does not depend on the CPU. */
+    if (group * kv_heads != heads || group > TILE_ROWS || dim % 16) return -1;
     const job_t job = {
         {k, v, block_stride, head_stride, slot_stride, tables, table_stride, block_size, dim},
         q, q_token_stride, q_head_stride, q_starts, q_lens, seq_lens, out,

@@ -2,22 +2,23 @@
 sequence, K/V read in place through a block table.
 
 Two callers: the torch backend's prefill chunks (causal, straight from the paged pool, where the
-torch path gathers each sequence's K/V and runs SDPA over the full square), and the vision tower's
-self-attention (`vision_attention`, registered with transformers: every patch sees every patch).
-Each returns None when the kernel does not apply (not built, not float32 on CPU, a head size it
-does not take), and the caller keeps its torch path.
+torch path gathers each sequence's K/V and runs SDPA over the full square), and a vision tower's
+self-attention (`bidirectional`: every patch sees every patch of its image). Each returns None
+when the kernel does not apply (not float32 on CPU, a head size it does not take), and the caller
+keeps its torch path.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from mm_engine.kernels import cpu_build
-
-NAME = "mm_engine_cpu"  # the vision tower's attention implementation, as transformers knows it
+from mm_engine.kernels.cpu_build import takes
 
 
 def paged_prefill(
+    lib: ctypes.CDLL,
     query: torch.Tensor,  # [tokens, heads, dim], dim contiguous
     k_cache: torch.Tensor,  # [blocks, slots, kv_heads, dim], dim contiguous (any other strides)
     v_cache: torch.Tensor,  # the same strides as k_cache
@@ -33,8 +34,7 @@ def paged_prefill(
     with `causal` each sees the keys up to its own position, else all of them. Returns `[tokens,
     heads, dim]` (`out` when given, contiguous: only those sequences' rows are written), or None
     when the kernel does not apply."""
-    lib = cpu_build.lib_for(query, k_cache, v_cache)
-    if lib is None or k_cache.stride() != v_cache.stride():
+    if not takes(query, k_cache, v_cache) or k_cache.stride() != v_cache.stride():
         return None
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
         return None
@@ -74,38 +74,19 @@ def paged_prefill(
     return out if status == 0 else None
 
 
-def vision_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention-function signature: `[batch, heads, tokens, dim]` in, `([batch,
-    tokens, heads, dim], None)` out. Each image is one sequence and one "block" of the kernel;
-    anything it does not take (a mask, dropout, causal, half precision) goes to SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def bidirectional(lib: ctypes.CDLL, query, key, value, scale: float) -> torch.Tensor | None:
+    """Full attention within each image: `[batch, heads, tokens, dim]` in (transformers' layout),
+    `[batch, tokens, heads, dim]` out. Each image is one sequence and one "block" of the kernel;
+    None where it does not apply."""
+    if not takes(query, key, value) or not key.shape == value.shape == query.shape:
+        return None
     batch, heads, tokens, dim = query.shape
-    plain = attention_mask is None and not dropout and not kwargs.get("is_causal")
-    out = None
-    if plain and cpu_build.lib_for(query, key, value) and key.shape == value.shape == query.shape:
-        scale = dim**-0.5 if scaling is None else scaling
-        per_image = [tokens] * batch
-        tables = torch.arange(batch, dtype=torch.int32)[:, None]
-        q = query.transpose(1, 2).reshape(batch * tokens, heads, dim)  # a view for [B, T, H, D] storage
-        k, v = key.transpose(1, 2), value.transpose(1, 2)  # [images, tokens, heads, dim] as the pool's view
-        if k.stride() == v.stride():
-            starts = [b * tokens for b in range(batch)]
-            out = paged_prefill(q, k, v, tables, starts, per_image, per_image, scale, causal=False)
-    if out is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    return out.view(batch, tokens, heads, dim), None
-
-
-def use_for_vision(tower) -> bool:
-    """Route a transformers vision tower's self-attention through `vision_attention` (where the
-    kernel does not apply it still falls back to SDPA per call); False when it cannot be built."""
-    if cpu_build.load() is None:
-        return False
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, vision_attention)
-    tower.set_attn_implementation(NAME)
-    return True
+    per_image = [tokens] * batch
+    tables = torch.arange(batch, dtype=torch.int32)[:, None]
+    q = query.transpose(1, 2).reshape(batch * tokens, heads, dim)  # a view for [B, T, H, D] storage
+    k, v = key.transpose(1, 2), value.transpose(1, 2)  # [images, tokens, heads, dim] as the pool's view
+    if k.stride() != v.stride():
+        return None
+    starts = [b * tokens for b in range(batch)]
+    out = paged_prefill(lib, q, k, v, tables, starts, per_image, per_image, scale, causal=False)
+    return None if out is None else out.view(batch, tokens, heads, dim)

@@ -7,9 +7,11 @@ length, one causal `scaled_dot_product_attention` per group. Other prefill chunk
 of a prompt, or one after cached blocks) loop over their sequences, gather each one's K/V and run
 SDPA with a mask that lets the new tokens see the whole cached context and each other causally.
 
-With `c_kernels` (the "cpu" backend) the C kernels take over where they build and apply: decodes
-through cpu_decode.c, every prefill chunk of the step in one call to cpu_prefill.c. Both read K/V
-in place from the pool; the prefill kernel also skips the causal triangle SDPA computes in full.
+With `kernels` (the "cpu" backend: one ISA variant's C kernels, kernels/cpu_kernels.py) the C
+kernels take over where they are enabled and apply: decodes through cpu_decode.c, every prefill
+chunk of the step in one call to cpu_prefill.c, the K/V write through cpu_kv_write.c. Both
+attention kernels read K/V in place from the pool; the prefill kernel also skips the causal
+triangle SDPA computes in full.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mm_engine.kernels import cpu_decode, cpu_kv_write, cpu_prefill
+from mm_engine.kernels.cpu_kernels import CpuKernels
 from mm_engine.kernels.metadata import AttentionMetadata
 
 
@@ -37,15 +40,15 @@ class _Plan:
     # (empty without it: the torch path loops over the sequences itself)
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, c_kernels: bool) -> _Plan:
+    def of(cls, meta: AttentionMetadata, c_decode: bool, c_prefill: bool) -> _Plan:
         decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         # One decode alone takes the plain path, unless the kernel is there to take it.
-        if not (len(decodes) > 1 or c_kernels):
+        if not (len(decodes) > 1 or c_decode):
             decodes = []
         everything, batched = len(decodes) == len(meta.query_lens_cpu), set(decodes)
         others = [i for i in range(meta.num_seqs) if i not in batched]
         others_args = ()
-        if c_kernels and others:
+        if c_prefill and others:
             starts = meta.query_start_loc.tolist()
             others_args = (
                 meta.block_tables[others],
@@ -65,11 +68,15 @@ class _Plan:
 
 
 class TorchBackend:
-    def __init__(self, c_kernels: bool = False) -> None:
-        # With `c_kernels`, attention goes through kernels/cpu_*.c when they are built here and
-        # apply (float32 on CPU, a head size they take); otherwise through the torch code below.
-        self.c_kernels = c_kernels
-        self.name = "cpu" if c_kernels else "torch"
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
+        # With `kernels`, attention goes through kernels/cpu_*.c where they are enabled and apply
+        # (float32 on CPU, a head size they take); otherwise through the torch code below.
+        self.kernels = kernels
+        self.name = "cpu" if kernels is not None else "torch"
+        self.lib = kernels.lib if kernels is not None else None
+        self.c_decode, self.c_prefill, self.c_write = (
+            kernels is not None and kernels.uses(k) for k in ("decode", "prefill", "kv_write")
+        )
         # The step's slot mapping and what write_kv derives from it, kept for the other layers
         # (every layer of a step is handed the same tensor): (slot mapping, block size, the mask
         # of slots kept or None for all, (block, offset) of each kept slot, whether the C write may
@@ -90,11 +97,11 @@ class TorchBackend:
             kept = None if bool(keep.all()) else keep
             slots = slot_mapping if kept is None else slot_mapping[kept]
             # The C write trusts its slots: an out-of-range one goes to index_put_, which names it.
-            in_range = self.c_kernels and (not len(slots) or int(slots.max()) < k_cache.shape[0] * block_size)
+            in_range = self.c_write and (not len(slots) or int(slots.max()) < k_cache.shape[0] * block_size)
             where = (slots // block_size, slots % block_size)
             self._slots = (slot_mapping, block_size, kept, where, in_range)
         _, _, kept, where, in_range = self._slots  # where: (block, offset), for any cache strides
-        if in_range and cpu_kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping):
+        if in_range and cpu_kv_write.write_kv(self.lib, key, value, k_cache, v_cache, slot_mapping):
             return
         if kept is not None:
             key, value = key[kept], value[kept]
@@ -112,14 +119,14 @@ class TorchBackend:
         num_heads = query.shape[1]
         plan = meta.derived.get(self.name)
         if plan is None:
-            plan = meta.derived[self.name] = _Plan.of(meta, self.c_kernels)
+            plan = meta.derived[self.name] = _Plan.of(meta, self.c_decode, self.c_prefill)
         batched = plan.batched
         if batched and plan.rows is None:  # every row is a decode, in order: no gather, no scatter
             return self._decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if batched:
             out[plan.rows] = self._decode(query[plan.rows], k_cache, v_cache, plan, scale)
-        if self.c_kernels and self._prefill_kernel(query, out, k_cache, v_cache, plan, scale):
+        if self.c_prefill and self._prefill_kernel(query, out, k_cache, v_cache, plan, scale):
             return out
         q_lens = meta.query_lens_cpu
         start = 0
@@ -137,14 +144,14 @@ class TorchBackend:
             self._whole_prompts(query, out, k_cache, v_cache, meta, length, seqs, scale)
         return out
 
-    @staticmethod
-    def _prefill_kernel(query, out, k_cache, v_cache, plan: _Plan, scale: float) -> bool:
+    def _prefill_kernel(self, query, out, k_cache, v_cache, plan: _Plan, scale: float) -> bool:
         """Every sequence not batched as a decode through the C prefill kernel in one call, written
         into `out`; False (nothing written) where the kernel does not apply."""
         if not plan.others:
             return True
         return (
-            cpu_prefill.paged_prefill(query, k_cache, v_cache, *plan.others_args, scale, out=out) is not None
+            cpu_prefill.paged_prefill(self.lib, query, k_cache, v_cache, *plan.others_args, scale, out=out)
+            is not None
         )
 
     def _whole_prompts(self, query, out, k_cache, v_cache, meta, length: int, seqs, scale: float) -> None:
@@ -206,8 +213,8 @@ class TorchBackend:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         lens, max_len, tables = plan.lens, plan.max_len, plan.tables
         n_blocks = -(-max_len // block_size)
-        if self.c_kernels:
-            out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, max_len, scale)
+        if self.c_decode:
+            out = cpu_decode.paged_decode(self.lib, q, k_cache, v_cache, tables, lens, max_len, scale)
             if out is not None:
                 return out
         k = self._gather(k_cache, tables, n_blocks)  # [n, KVH, T, D]

@@ -16,14 +16,13 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
-from mm_engine.cpu_memory import tune_malloc
+from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.detokenizer import IncrementalDetokenizer
 from mm_engine.inputs import InputProcessor, find_chat_template
-from mm_engine.kernels import cpu_elementwise, cpu_prefill
-from mm_engine.kernels.backend import get_backend
 from mm_engine.model_loader import load_config, load_model, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mm_engine.platform import make_platform
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
 from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, split_blocks
@@ -46,7 +45,8 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
         torch.manual_seed(config.seed)
-        backend = get_backend(config.attention_backend, self.device)
+        self.platform = make_platform(self.device, config.attention_backend)
+        backend = self.platform.backend
         self.model = load_model(
             path,
             self.hf_config,
@@ -54,7 +54,7 @@ class LLMEngine:
             config.torch_dtype("vision_dtype"),
             self.device,
             pack_weights=config.cpu_packed_weights,
-            c_gemm=backend.name == "cpu",
+            platform=self.platform,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.inputs = InputProcessor(
@@ -75,7 +75,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
         n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
-        self.kv = KVCache(spec, num_blocks, self.device, huge_pages=config.cpu_huge_pages)
+        self.kv = KVCache(spec, num_blocks, self.device, huge_page_empty if config.cpu_huge_pages else None)
         self.blocks = BlockManager(
             BlockPool(TEXT, 0, n_text),
             BlockPool(IMAGE, n_text, n_image),
@@ -101,9 +101,6 @@ class LLMEngine:
             self.swap,
             config.max_waiting_requests,
         )
-        if backend.name == "cpu":  # the C kernels beyond attention too
-            cpu_prefill.use_for_vision(self.model.vision_tower)  # bidirectional attention
-            cpu_elementwise.use_c_kernels(self.model)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

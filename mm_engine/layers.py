@@ -3,51 +3,36 @@
 Parameter names follow the Hugging Face checkpoints (`layers.N.self_attn.q_proj` and so on), so
 loading is a rename of prefixes and nothing more. Whether a projection has a bias is read from the
 checkpoint itself (Qwen2 has q/k/v biases, Llama may have `attention_bias`), not guessed per family.
+
+Norms, rotary and the MLP's activation go through the `ops` the platform hands the model
+(kernels/ops.py: torch, or one ISA variant's C kernels on CPU); the layers never ask which.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from mm_engine.kernels import cpu_elementwise
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.c_kernels = False  # kernels/cpu_elementwise.py: one C pass instead of torch's five ops
+        self.eps, self.ops = eps, ops
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x += delta` in place (x is the residual stream, owned by the forward pass), then
         `(x, norm(x))`: the residual add and the next norm, one pass over each row in C."""
-        if self.c_kernels:
-            fused = cpu_elementwise.rms_norm(x, self.weight, self.eps, delta)
-            if fused is not None:
-                return fused
-        x.add_(delta)
-        return x, self(x)
+        return self.ops.add_rms_norm(x, delta, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.c_kernels:
-            fused = cpu_elementwise.rms_norm(x, self.weight, self.eps)
-            if fused is not None:
-                return fused[1]
-        # torch's fused kernel: one pass and no temporaries instead of the pow/mean/rsqrt/mul
-        # spelling, with bit-identical float32 output. Half inputs are normalised in float32 and
-        # cast back before the weight, as the Hugging Face models do.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -74,21 +59,8 @@ class Rotary(nn.Module):
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """`[tokens, heads, head_dim]`, rotate_half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
-    Written into halves of one output rather than as `x * cos + rotate_half(x) * sin`, which makes a
-    negated copy and a concatenation first; the arithmetic, and so every bit, is the same."""
-    cos, sin = rope
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
-    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
-    return out
-
-
 class Attention(nn.Module):
-    def __init__(self, config, head_dim: int, bias: dict[str, bool]) -> None:
+    def __init__(self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
         h, self.num_heads, self.num_kv_heads = (
             config.hidden_size,
@@ -102,7 +74,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias["o_proj"])
         self.scale = head_dim**-0.5
         self.qkv_proj: nn.Linear | None = None
-        self.c_kernels = False  # kernels/cpu_elementwise.py: rotary in place, in C
+        self.ops = ops
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
@@ -116,14 +88,12 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
             # q and k sit side by side in the fused output: rotate them as one [t, h + kvh, hd] view
-            # (in place in C: nothing else reads the projection's output).
-            qk = qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd)
-            if not (self.c_kernels and cpu_elementwise.rotary_(qk, *rope)):
-                qk = apply_rotary(qk, rope)
+            # (in place where the ops can: nothing else reads the projection's output).
+            qk = self.ops.rotary(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), *rope)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * hd :]
         else:
-            q = apply_rotary(self.q_proj(x).view(t, h, hd), rope)
-            k = apply_rotary(self.k_proj(x).view(t, kvh, hd), rope)
+            q = self.ops.rotary(self.q_proj(x).view(t, h, hd), *rope)
+            k = self.ops.rotary(self.k_proj(x).view(t, kvh, hd), *rope)
             v = self.v_proj(x)
         v = v.reshape(t, kvh, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -132,16 +102,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, bias: bool) -> None:
+    def __init__(self, config, bias: bool, ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"  # then silu(gate) * up is one op of `ops`
         self.gate_up_proj: nn.Linear | None = None
-        # A fused act(gate) * up over the fused projection's output, or None where it does not
-        # apply (kernels/cpu_elementwise.py sets it on CPU); None: the two torch ops.
-        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        self.ops = ops
 
     def fuse(self) -> None:
         self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
@@ -150,9 +119,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            fused = self.act_and_mul(gate_up) if self.act_and_mul is not None else None
-            if fused is not None:
-                return self.down_proj(fused)
+            if self.silu:
+                return self.down_proj(self.ops.silu_and_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -176,12 +144,12 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, bias: dict[str, bool]) -> None:
+    def __init__(self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS) -> None:
         super().__init__()
-        self.self_attn = Attention(config, head_dim, bias)
-        self.mlp = MLP(config, bias["mlp"])
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, head_dim, bias, ops)
+        self.mlp = MLP(config, bias["mlp"], ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, backend):
         """`x` is the previous layer's MLP output, still to be added to `residual` (None for the
@@ -201,15 +169,17 @@ class DecoderLM(nn.Module):
     image features can be spliced in before the first layer; it uses them as the residual stream,
     so they are overwritten."""
 
-    def __init__(self, config, bias: dict[str, bool], tie_embeddings: bool) -> None:
+    def __init__(
+        self, config, bias: dict[str, bool], tie_embeddings: bool, ops: TorchOps = TORCH_OPS
+    ) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, head_dim, bias, ops) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = Rotary(config, head_dim)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_lm_head = tie_embeddings

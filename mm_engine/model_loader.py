@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
-from mm_engine.kernels import cpu_gemm
 from mm_engine.layers import DecoderLM
 from mm_engine.model import LlavaModel
-from mm_engine.packed_linear import pack_linears
+from mm_engine.platform import Platform, adapt_vision_tower, make_platform, pack_model_linears
 
 SUPPORTED_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SUPPORTED_TEXT = ("llama", "mistral", "qwen2")
@@ -122,18 +121,20 @@ def load_model(
     vision_dtype: torch.dtype,
     device: torch.device,
     pack_weights: bool = False,
-    c_gemm: bool = False,
+    platform: Platform | None = None,
 ) -> LlavaModel:
-    """`pack_weights`: on CPU, run every linear layer through oneDNN with a packed weight
-    (`mm_engine.packed_linear`); elsewhere it changes nothing. With `c_gemm` as well, the language
-    model's linears go through the C GEMM instead (`kernels/cpu_gemm.py`, faster at decode's few
-    rows) where it builds; the vision tower's, which only ever see whole images, stay on oneDNN."""
+    """The model on `platform` (default: the torch path on `device`): its layers call the
+    platform's ops, and a vision tower's attention and GELU go through them where it has faster
+    ones. `pack_weights`: on CPU, every linear layer runs with a packed weight, the language
+    model's through the platform's C GEMM where it uses one (faster at decode's few rows), the
+    rest through oneDNN (`mm_engine.packed_linear`); elsewhere it changes nothing."""
+    platform = platform or make_platform(device, "torch")
     vision_state, projector_state, lm_state = split_weights(read_weights(path))
     bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
     tie = "lm_head.weight" not in lm_state
     with torch.device(device), _default_dtype(dtype):
-        lm = DecoderLM(config.text_config, bias, tie_embeddings=tie)
+        lm = DecoderLM(config.text_config, bias, tie_embeddings=tie, ops=platform.ops)
     _load(lm, lm_state, "language model")
     lm.fuse_projections()
     tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
@@ -142,8 +143,7 @@ def load_model(
         model = LlavaModel(config, tower, lm, projector_bias="linear_1.bias" in projector_state)
     _load(model.multi_modal_projector, projector_state, "projector")
     model = model.eval().requires_grad_(False)
+    adapt_vision_tower(model.vision_tower, platform)
     if pack_weights:
-        if c_gemm:
-            cpu_gemm.use_for(model.language_model)
-        pack_linears(model)  # every linear still an nn.Linear
+        pack_model_linears(model, model.language_model, platform)
     return model

@@ -1,4 +1,5 @@
-"""CPU linear layers through oneDNN with weights packed once at load time.
+"""CPU linear layers with weights packed once at load time: through oneDNN (`PackedLinear`), or
+through the C GEMM of one ISA variant (`PanelLinear`, kernels/cpu_gemm.py).
 
 PyTorch's `nn.Linear` on CPU calls MKL's sgemm, which re-packs the weight on every call and runs the
 few-row GEMMs of a decode step well below the machine's matmul rate. oneDNN with a weight
@@ -15,10 +16,13 @@ and 2.4x on the 49152-wide LM head at 64 rows. Results differ from MKL's only in
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
 from torch import nn
+
+from mm_engine.kernels import cpu_gemm
 
 # The row count oneDNN tunes the packed layout for. Any row count works; 64 (a decode batch) was
 # within a few percent of the best for 1-2048 rows in the measurement above.
@@ -59,6 +63,50 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+class PanelLinear(nn.Module):
+    """`nn.Linear` for inference with its weight packed in panels for one variant's C GEMM. The
+    panels are a plain attribute, not a parameter: nothing trains or saves them."""
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        if not float32_on_cpu(linear):
+            w = linear.weight
+            raise TypeError(f"PanelLinear packs float32 CPU weights, got {w.dtype} on {w.device}")
+        self.in_features, self.out_features, self.lib = linear.in_features, linear.out_features, lib
+        width = cpu_gemm.panel_width(lib)
+        with torch.no_grad():
+            self.panels = cpu_gemm.pack_panels(linear.weight.detach(), width)
+            self.bias = None
+            if linear.bias is not None:
+                self.bias = linear.bias.detach().new_zeros(self.panels.shape[0] * width)
+                self.bias[: self.out_features] = linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"PanelLinear takes float32 CPU input, got {x.dtype} on {x.device}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got shape {tuple(x.shape)}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = cpu_gemm.gemm(self.lib, rows, self.panels, self.bias, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+def float32_on_cpu(linear: nn.Linear) -> bool:
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+
+
+def panel_linears(module: nn.Module, lib: ctypes.CDLL) -> int:
+    """Replace every float32 CPU `nn.Linear` under `module` with a `PanelLinear` on `lib`'s GEMM;
+    returns how many."""
+    return swap_linears(module, float32_on_cpu, lambda linear: PanelLinear(linear, lib))
 
 
 def pack_linears(module: nn.Module) -> int:

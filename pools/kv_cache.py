@@ -6,11 +6,14 @@ block through the block table, so the split is purely an allocation policy, invi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from mm_engine.cpu_memory import huge_page_empty
+# Allocates an uninitialised CPU tensor of a shape and dtype (mm_engine.cpu_memory's huge-page
+# allocator, say); the pool does not care how.
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -44,7 +47,7 @@ def paged_kv_tensor(
     head_dim: int,
     dtype: torch.dtype,
     device,
-    huge_pages: bool = False,
+    empty: Allocator | None = None,
 ) -> torch.Tensor:
     """One layer's K (or V) cache, indexed `[block, slot, kv_head, dim]`.
 
@@ -53,21 +56,22 @@ def paged_kv_tensor(
     one KV head's keys of a block are one contiguous run, so gathering a sequence's keys copies
     whole runs and lands them already in the `[kv_head, token, dim]` order attention multiplies in.
     torch.empty: on CPU untouched pages cost no resident memory; stale values are never read
-    because attention only looks at slots below each sequence's length. `huge_pages` (CPU only):
-    allocated with transparent huge pages (mm_engine.cpu_memory), fewer TLB misses per block read.
+    because attention only looks at slots below each sequence's length. `empty` (CPU only): the
+    allocator to use instead of torch.empty (the engine's huge-page one, for fewer TLB misses per
+    block read).
     """
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if huge_pages and torch.device(device).type == "cpu":
-        return huge_page_empty(shape, dtype).transpose(1, 2)
+    if empty is not None and torch.device(device).type == "cpu":
+        return empty(shape, dtype).transpose(1, 2)
     return torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
 
 
 class KVCache:
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, device: torch.device, huge_pages: bool = False
+        self, spec: KVCacheSpec, num_blocks: int, device: torch.device, empty: Allocator | None = None
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         dims = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
-        self.k = [paged_kv_tensor(*dims, huge_pages) for _ in range(spec.num_layers)]
-        self.v = [paged_kv_tensor(*dims, huge_pages) for _ in range(spec.num_layers)]
+        self.k = [paged_kv_tensor(*dims, empty) for _ in range(spec.num_layers)]
+        self.v = [paged_kv_tensor(*dims, empty) for _ in range(spec.num_layers)]

@@ -61,3 +61,41 @@ def ref_clip_llama(clip_llama) -> Reference:
 @pytest.fixture(scope="session")
 def ref_siglip_qwen2(siglip_qwen2) -> Reference:
     return Reference(siglip_qwen2)
+
+
+def _variant_params():
+    from mm_engine.kernels import cpu_build
+
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not cpu_build.supported(name), reason=f"this CPU lacks {cpu_build.why_unsupported(name)}"
+            ),
+        )
+        for name in cpu_build.VARIANTS
+    ]
+
+
+@pytest.fixture(params=_variant_params())
+def cpu_variant(request) -> str:
+    """Each ISA variant of the C kernels this CPU runs (avx512, avx2, portable on x86-64); the
+    others are skipped with the features the CPU lacks."""
+    return request.param
+
+
+@pytest.fixture
+def cpu_lib(cpu_variant):
+    from mm_engine.kernels import cpu_build
+
+    lib = cpu_build.load(cpu_variant)
+    assert lib is not None, f"the {cpu_variant} kernels must build where the tests run: {cpu_build.status()}"
+    return lib
+
+
+@pytest.fixture
+def cpu_kernels(cpu_variant, cpu_lib):
+    """Every C kernel of one variant enabled, whatever the measured table says."""
+    from mm_engine.kernels.cpu_kernels import KERNELS, CpuKernels
+
+    return CpuKernels(cpu_variant, cpu_lib, frozenset(KERNELS))

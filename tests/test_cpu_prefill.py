@@ -1,6 +1,7 @@
-"""The C prefill kernel (kernels/cpu_prefill.c): every prefill chunk of a step in one call, causal
-over cached context plus the chunk, straight from the pool; and the vision tower's bidirectional
-attention through the same kernel. Each is held to SDPA over the sequence's own keys."""
+"""The C prefill kernel (kernels/cpu_prefill.c), on every ISA variant this CPU runs: every prefill
+chunk of a step in one call, causal over cached context plus the chunk, straight from the pool;
+and the vision tower's bidirectional attention through the same kernel. Each is held to SDPA over
+the sequence's own keys."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from attention_helpers import fill_pool, make_meta
 
-from mm_engine.kernels import cpu_build, cpu_prefill
+from mm_engine.kernels import cpu_prefill
+from mm_engine.kernels.ops import CpuOps
 from mm_engine.kernels.torch_backend import TorchBackend
 from mm_engine.pools.kv_cache import paged_kv_tensor
 
@@ -26,12 +28,21 @@ def _reference(q, k, v, scale: float) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("heads", "kvh", "d", "bs"),
-    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 64, 16), (6, 2, 80, 32), (4, 1, 32, 4), (64, 1, 16, 16)],
+    [
+        (9, 3, 64, 16),
+        (4, 4, 128, 8),
+        (8, 1, 64, 16),
+        (6, 2, 80, 32),
+        (12, 2, 96, 16),
+        (4, 2, 256, 16),
+        (4, 1, 32, 4),
+        (64, 1, 16, 16),
+    ],
 )
-def test_prefill_kernel_matches_causal_attention_over_each_sequence(heads, kvh, d, bs):
+def test_prefill_kernel_matches_causal_attention_over_each_sequence(heads, kvh, d, bs, cpu_kernels):
     """Whole prompts (one longer than a tile), chunks after cached context, a one-token prompt and
-    decodes in one step; unused slots hold NaN; head sizes from 16 to 128, groups from 1 to 64."""
-    assert cpu_build.load() is not None, "the C kernels must build where the tests run (cc on PATH)"
+    decodes in one step; unused slots hold NaN; head sizes from 16 to 256 (64, 80, 96, 128 and 256
+    as real checkpoints have them), groups from 1 to 64."""
     g = torch.Generator().manual_seed(4)
     seq_lens, q_lens = [70, 37, 50, 1, 9, 20, 33], [70, 37, 5, 1, 1, 1, 33]
     tables, nxt = [], 1  # block 0 is never used: it stays NaN
@@ -43,7 +54,7 @@ def test_prefill_kernel_matches_causal_attention_over_each_sequence(heads, kvh, 
     keys, values = fill_pool(k_cache, v_cache, seq_lens, tables, g)
     meta = make_meta(seq_lens, q_lens, tables)
     q = torch.randn(sum(q_lens), heads, d, generator=g)
-    out = TorchBackend(c_kernels=True).attend(q, k_cache, v_cache, meta, scale=d**-0.5)
+    out = TorchBackend(cpu_kernels).attend(q, k_cache, v_cache, meta, scale=d**-0.5)
     start = 0
     for k, v, m in zip(keys, values, q_lens, strict=True):
         want = _reference(q[start : start + m], k, v, d**-0.5)
@@ -51,7 +62,7 @@ def test_prefill_kernel_matches_causal_attention_over_each_sequence(heads, kvh, 
         start += m
 
 
-def test_prefill_kernel_reads_queries_through_their_strides_and_writes_only_its_rows():
+def test_prefill_kernel_reads_queries_through_their_strides_and_writes_only_its_rows(cpu_lib):
     """Queries as the model hands them over (a view into the fused q/k output, rows wider than the
     heads); rows of sequences not passed to the kernel are left as they were."""
     g = torch.Generator().manual_seed(5)
@@ -63,7 +74,7 @@ def test_prefill_kernel_reads_queries_through_their_strides_and_writes_only_its_
     q = qk[:, :heads]
     out = torch.full((32, heads, d), 7.0)
     got = cpu_prefill.paged_prefill(
-        q, k_cache, v_cache, torch.tensor([[2, 0]]), [20], [12], [12], d**-0.5, out=out
+        cpu_lib, q, k_cache, v_cache, torch.tensor([[2, 0]]), [20], [12], [12], d**-0.5, out=out
     )
     assert got is out
     torch.testing.assert_close(
@@ -72,39 +83,42 @@ def test_prefill_kernel_reads_queries_through_their_strides_and_writes_only_its_
     assert bool((out[:20] == 7.0).all())
 
 
-def test_prefill_kernel_declines_what_it_cannot_take():
-    """Not float32, a head size that is no multiple of 16, or a mismatched `out`: None, and the
-    backend's torch path answers instead."""
+def test_prefill_kernel_declines_what_it_cannot_take(cpu_kernels):
+    """Not float32, a head size that is no multiple of 16 (on every variant alike), or a
+    mismatched `out`: None, and the backend's torch path answers instead."""
+    lib = cpu_kernels.lib
     g = torch.Generator().manual_seed(6)
     cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu")
     fill_pool(cache, cache, [5], [[0, 1]], g)
     q = torch.randn(5, 2, 8, generator=g)
     args = (torch.tensor([[0, 1]]), [0], [5], [5], 1.0)
-    assert cpu_prefill.paged_prefill(q, cache, cache, *args) is None  # head size 8
+    assert cpu_prefill.paged_prefill(lib, q, cache, cache, *args) is None  # head size 8
     wide = paged_kv_tensor(2, 4, 1, 16, torch.float32, "cpu").zero_()
-    assert cpu_prefill.paged_prefill(torch.randn(5, 2, 16).double(), wide, wide, *args) is None
-    assert (
-        cpu_prefill.paged_prefill(torch.randn(5, 2, 16), wide, wide, *args, out=torch.empty(4, 2, 16)) is None
-    )
+    assert cpu_prefill.paged_prefill(lib, torch.randn(5, 2, 16).double(), wide, wide, *args) is None
+    short = torch.empty(4, 2, 16)
+    assert cpu_prefill.paged_prefill(lib, torch.randn(5, 2, 16), wide, wide, *args, out=short) is None
     meta = make_meta([5], [5], [[0, 1]])
     want = TorchBackend().attend(q, cache, cache, meta, scale=1.0)
-    torch.testing.assert_close(TorchBackend(c_kernels=True).attend(q, cache, cache, meta, scale=1.0), want)
+    torch.testing.assert_close(TorchBackend(cpu_kernels).attend(q, cache, cache, meta, scale=1.0), want)
 
 
-def test_vision_attention_matches_sdpa_and_hands_masks_to_it():
+def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
     """[batch, heads, tokens, dim] views of one [batch, tokens, 3, heads, dim] projection, as a
     vision tower makes them: every token sees every token of its own image only."""
     g = torch.Generator().manual_seed(7)
     b, heads, t, d = 3, 4, 37, 32
     x = torch.randn(b, t, 3, heads, d, generator=g)
     q, k, v = (x[:, :, j].transpose(1, 2) for j in range(3))
-    out, weights = cpu_prefill.vision_attention(None, q, k, v, None, scaling=0.2)
+    from mm_engine.platform import _vision_attention
+
+    attention = _vision_attention(CpuOps(cpu_kernels))
+    out, weights = attention(None, q, k, v, None, scaling=0.2)
     want = F.scaled_dot_product_attention(q, k, v, scale=0.2).transpose(1, 2)
     assert weights is None and out.shape == (b, t, heads, d)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     mask = torch.zeros(b, 1, t, t)
     mask[..., -5:] = float("-inf")  # with a mask, SDPA answers
-    out, _ = cpu_prefill.vision_attention(torch.nn.Module(), q, k, v, mask, scaling=0.2)
+    out, _ = attention(torch.nn.Module(), q, k, v, mask, scaling=0.2)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2).transpose(1, 2)
     torch.testing.assert_close(out, want)
 
@@ -114,8 +128,9 @@ def test_engine_routes_the_vision_tower_through_the_kernel_only_on_the_cpu_backe
 
     fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine
     plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine
-    assert fast.model.vision_tower.config._attn_implementation == cpu_prefill.NAME
-    assert plain.model.vision_tower.config._attn_implementation != cpu_prefill.NAME
+    name = f"mm_engine_{fast.platform.ops.name}"
+    assert fast.model.vision_tower.config._attn_implementation == name
+    assert not plain.model.vision_tower.config._attn_implementation.startswith("mm_engine")
     size = fast.hf_config.vision_config.image_size
     pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
     want = plain.model.encode_images(pixels)

@@ -108,7 +108,7 @@ def test_kv_pool_on_huge_pages_is_aligned_and_advised_to_use_them():
     from mm_engine import cpu_memory
     from mm_engine.pools.kv_cache import paged_kv_tensor
 
-    cache = paged_kv_tensor(256, 16, 2, 64, torch.float32, "cpu", huge_pages=True)  # 8 MiB
+    cache = paged_kv_tensor(256, 16, 2, 64, torch.float32, "cpu", cpu_memory.huge_page_empty)  # 8 MiB
     assert cache.shape == (256, 16, 2, 64) and cache.transpose(1, 2).is_contiguous()
     assert cache.data_ptr() % cpu_memory.HUGE_PAGE == 0
     cache.fill_(1.5)

@@ -39,6 +39,17 @@ def test_packed_model_computes_what_nn_linear_computes_for_any_row_count():
     assert "in_features=16, out_features=40, bias=True" in repr(model["mlp"][0])
 
 
+def _onednn_bf16() -> bool:
+    """oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; torch asks oneDNN."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@pytest.mark.skipif(
+    not _onednn_bf16(), reason="this CPU has no bf16 instructions oneDNN can use (AVX-512 or AVX-NE-CONVERT)"
+)
 @torch.inference_mode()
 def test_packed_linear_takes_batched_inputs_and_bfloat16():
     lin = nn.Linear(8, 12).to(torch.bfloat16)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from attention_helpers import fill_pool, make_meta
 
-from mm_engine.kernels import cpu_build, cpu_decode, cpu_kv_write
+from mm_engine.kernels import cpu_decode, cpu_kv_write
 from mm_engine.kernels.torch_backend import TorchBackend
 from mm_engine.pools.kv_cache import paged_kv_tensor
 
@@ -39,7 +39,7 @@ def test_batched_decode_matches_per_sequence_attention_with_garbage_in_unused_sl
 
 @pytest.mark.parametrize("c_kernels", [False, True])
 @pytest.mark.parametrize("tokens", [4, 300])  # 300: the C copy's threaded path
-def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones(c_kernels, tokens):
+def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones(c_kernels, tokens, cpu_kernels):
     """Key and value are strided views into one fused projection output, as the model hands them."""
     g = torch.Generator().manual_seed(1)
     blocks, bs, kvh, d = 100, 4, 3, 8
@@ -50,7 +50,7 @@ def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones(c_k
     value = fused[:, 4 * kvh * d :].reshape(tokens, kvh, d)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     slots[1] = -1
-    TorchBackend(c_kernels=c_kernels).write_kv(key, value, k_cache, v_cache, slots)
+    TorchBackend(cpu_kernels if c_kernels else None).write_kv(key, value, k_cache, v_cache, slots)
     for tok, slot in enumerate(slots.tolist()):
         if slot >= 0:
             assert torch.equal(k_cache[slot // bs, slot % bs], key[tok])
@@ -59,23 +59,26 @@ def test_write_kv_fills_the_slots_of_the_pool_layout_and_skips_negative_ones(c_k
     assert int((v_cache != 0).any(-1).sum()) == (tokens - 1) * kvh
     if c_kernels:  # and the C copy took these views itself, rather than leaving them to torch
         k_again, v_again = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-        assert cpu_kv_write.write_kv(key, value, k_again, v_again, slots)
+        assert cpu_kv_write.write_kv(cpu_kernels.lib, key, value, k_again, v_again, slots)
         assert torch.equal(k_again, k_cache) and torch.equal(v_again, v_cache)
 
 
-def test_write_kv_out_of_the_pool_is_an_index_error_on_the_c_path_too():
+def test_write_kv_out_of_the_pool_is_an_index_error_on_the_c_path_too(cpu_kernels):
     k_cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu").zero_()
     v_cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu").zero_()
     key = torch.randn(2, 1, 8)
     with pytest.raises(IndexError):
-        TorchBackend(c_kernels=True).write_kv(key, key, k_cache, v_cache, torch.tensor([3, 8]))
+        TorchBackend(cpu_kernels).write_kv(key, key, k_cache, v_cache, torch.tensor([3, 8]))
 
 
-@pytest.mark.parametrize(("heads", "kvh", "d"), [(6, 2, 8), (9, 3, 64), (4, 4, 16), (16, 1, 32)])
-def test_c_decode_kernel_matches_the_torch_path(heads, kvh, d):
+@pytest.mark.parametrize(
+    ("heads", "kvh", "d"),
+    [(6, 2, 8), (9, 3, 64), (4, 4, 16), (16, 1, 32), (8, 2, 80), (12, 2, 96), (4, 1, 128), (2, 1, 256)],
+)
+def test_c_decode_kernel_matches_the_torch_path(heads, kvh, d, cpu_kernels):
     """The "cpu" backend's C kernel against the plain torch path, over NaN-filled unused slots,
-    lengths that end mid-block, one lone decode, and query/KV-head groupings from MHA to MQA."""
-    assert cpu_build.load() is not None, "the C kernel must build where the tests run (cc on PATH)"
+    lengths that end mid-block, one lone decode, query/KV-head groupings from MHA to MQA, and the
+    head sizes of real checkpoints (64, 80, 96, 128, 256)."""
     g = torch.Generator().manual_seed(2)
     blocks, bs = 40, 4
     k_cache = paged_kv_tensor(blocks, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
@@ -86,31 +89,34 @@ def test_c_decode_kernel_matches_the_torch_path(heads, kvh, d):
     for picked in ([0, 1, 2, 3], [1]):
         meta = make_meta([lens[i] for i in picked], [1] * len(picked), [tables[i] for i in picked])
         want = TorchBackend().attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
-        got = TorchBackend(c_kernels=True).attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
+        got = TorchBackend(cpu_kernels).attend(q[picked], k_cache, v_cache, meta, scale=d**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_loading_the_c_kernel_leaves_the_process_floating_point_state_alone():
-    """Built with -ffast-math, a library can switch on flush-to-zero for the whole process."""
-    assert cpu_build.load() is not None
+def test_loading_the_c_kernel_leaves_the_process_floating_point_state_alone(cpu_lib):
+    """Linked with -ffast-math, a library can switch on flush-to-zero for the whole process."""
     tiny = 5e-324  # the smallest subnormal double
     assert tiny * 1.0 > 0.0
     assert torch.tensor([1e-40]).mul(1.0).item() > 0.0  # a float32 subnormal
 
 
-def test_c_decode_kernel_declines_what_it_cannot_take():
+def test_c_decode_kernel_declines_what_it_cannot_take(cpu_kernels):
     """Not float32, or not the pool's layout: None, and the backend falls back to torch."""
+    lib = cpu_kernels.lib
     cache = paged_kv_tensor(4, 4, 2, 8, torch.float32, "cpu").zero_()
     meta = make_meta([3, 2], [1, 1], [[0], [1]])
     q = torch.randn(2, 2, 8)
-    assert cpu_decode.paged_decode(q.double(), cache, cache, meta.block_tables, meta.seq_lens, 3, 1.0) is None
+    assert (
+        cpu_decode.paged_decode(lib, q.double(), cache, cache, meta.block_tables, meta.seq_lens, 3, 1.0)
+        is None
+    )
     plain = torch.zeros(4, 4, 2, 8)  # token-major, contiguous
-    assert cpu_decode.paged_decode(q, plain, plain, meta.block_tables, meta.seq_lens, 3, 1.0) is None
-    out = TorchBackend(c_kernels=True).attend(q, plain, plain, meta, scale=1.0)
+    assert cpu_decode.paged_decode(lib, q, plain, plain, meta.block_tables, meta.seq_lens, 3, 1.0) is None
+    out = TorchBackend(cpu_kernels).attend(q, plain, plain, meta, scale=1.0)
     assert torch.equal(out, torch.zeros_like(q))
 
 
-def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attention():
+def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attention(cpu_kernels):
     """Two prompts of length 6 (one SDPA call), one of length 3, one later chunk after cached
     context, and a decode, in one step: each equals causal attention over its own keys."""
     g = torch.Generator().manual_seed(3)
@@ -122,7 +128,7 @@ def test_whole_prompts_of_one_length_share_a_call_and_match_per_sequence_attenti
     keys, values = fill_pool(k_cache, v_cache, seq_lens, tables, g)
     meta = make_meta(seq_lens, q_lens, tables)
     q = torch.randn(sum(q_lens), heads, d, generator=g)
-    for backend in (TorchBackend(), TorchBackend(c_kernels=True)):
+    for backend in (TorchBackend(), TorchBackend(cpu_kernels)):
         out = backend.attend(q, k_cache, v_cache, meta, scale=d**-0.5)
         start = 0
         for k, v, n, m in zip(keys, values, seq_lens, q_lens, strict=True):

@@ -1,0 +1,73 @@
+"""Which C kernels run here: one ISA variant's library, and the kernels used with it.
+
+A kernel is used on a variant only where bench.kernels_cpu measured it faster than its torch or
+oneDNN twin on that ISA (torch itself held to the same ISA); `MEASURED_FASTER` is that table,
+and bench.kernels_cpu prints, next to each measurement, whether the table agrees.
+`$MM_ENGINE_CPU_KERNELS` overrides it: `all`, `none`, or a comma-separated list of names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+from mm_engine.kernels import cpu_build
+
+KERNELS = (
+    "gemm",  # the language model's linears (cpu_gemm.c) in place of oneDNN's packed sgemm
+    "decode",  # paged decode attention (cpu_decode.c) in place of the gathered torch path
+    "prefill",  # paged prefill attention (cpu_prefill.c) in place of SDPA over gathered K/V
+    "vision_attention",  # a vision tower's attention (cpu_prefill.c) in place of SDPA
+    "kv_write",  # the K/V write (cpu_kv_write.c) in place of index_put_
+    "rms_norm",  # RMSNorm with the residual add (cpu_elementwise.c) in place of add_ + F.rms_norm
+    "rotary",  # rotary embedding in place, in place of the torch halves
+    "silu_and_mul",  # silu(gate) * up in one pass, in place of two ops
+    "gelu_tanh",  # tanh-GELU in place, in place of F.gelu
+)
+# From bench/results/kernels_cpu.json (the 2-core AMD EPYC 9B14, Zen 4: every variant runs there).
+MEASURED_FASTER: dict[str, frozenset[str]] = {
+    "avx512": frozenset(KERNELS),
+    "avx2": frozenset(KERNELS),
+    "portable": frozenset(KERNELS),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    variant: str
+    lib: ctypes.CDLL
+    enabled: frozenset[str]
+
+    def uses(self, kernel: str) -> bool:
+        return kernel in self.enabled
+
+
+def select(variant: str | None = None, kernels: str | None = None) -> CpuKernels | None:
+    """The kernels for this process: `variant` (default `cpu_build.best_variant()`), with the
+    kernels `kernels` names (default `$MM_ENGINE_CPU_KERNELS`, else the measured table); None
+    where no library builds or none is enabled."""
+    name = variant or cpu_build.best_variant()
+    spec = kernels if kernels is not None else os.environ.get("MM_ENGINE_CPU_KERNELS", "measured")
+    enabled = _parse(spec, name)
+    if not enabled:
+        return None
+    lib = cpu_build.load(name)
+    return None if lib is None else CpuKernels(name, lib, enabled)
+
+
+def _parse(spec: str, variant: str) -> frozenset[str]:
+    spec = spec.strip().lower()
+    if spec == "measured":
+        return MEASURED_FASTER.get(variant, frozenset())
+    if spec == "all":
+        return frozenset(KERNELS)
+    if spec in ("none", ""):
+        return frozenset()
+    names = frozenset(n.strip() for n in spec.split(",") if n.strip())
+    unknown = sorted(names - set(KERNELS))
+    if unknown:
+        raise ValueError(
+            f"unknown CPU kernel(s) {unknown}; known: {', '.join(KERNELS)}, or all / none / measured"
+        )
+    return names

@@ -1,0 +1,111 @@
+"""The ops a model's layers call, filled by the platform: `TorchOps` (the reference, any device
+and dtype) or `CpuOps` (the C kernels of one ISA variant where they are enabled and apply, torch
+for the rest). A layer holds one and calls it; nothing patches the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mm_engine.kernels import cpu_elementwise, cpu_prefill
+from mm_engine.kernels.cpu_kernels import CpuKernels
+
+
+class TorchOps:
+    name = "torch"
+    kernels: CpuKernels | None = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # torch's fused kernel: one pass and no temporaries instead of the pow/mean/rsqrt/mul
+        # spelling, with bit-identical float32 output. Half inputs are normalised in float32 and
+        # cast back before the weight, as the Hugging Face models do.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x += delta` in place (x is the residual stream, owned by the forward pass), then
+        `(x, rms_norm(x))`."""
+        x.add_(delta)
+        return x, self.rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`[tokens, heads, head_dim]`, rotate_half layout: (x1, x2) -> (x1 cos - x2 sin, x2 cos +
+        x1 sin), cos and sin `[tokens, 1, head_dim // 2]`. May rotate `x` in place (callers pass
+        projection outputs nothing else reads); use the result. Written into halves of one output
+        rather than as `x * cos + rotate_half(x) * sin`: the same arithmetic, no negated copy."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+        torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., 2 * cols]` (gate, up side by side) -> `silu(gate) * up`."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' tanh-GELU; may overwrite `x` (an MLP's hidden activations)."""
+        return F.gelu(x, approximate="tanh")
+
+    def bidirectional_attention(self, query, key, value, scale: float) -> torch.Tensor | None:
+        """Full attention within each image, `[batch, heads, tokens, dim]` in, `[batch, tokens,
+        heads, dim]` out; None: the caller's own attention (SDPA) answers."""
+        return None
+
+
+class CpuOps(TorchOps):
+    """The C kernels of `kernels.variant` for what `kernels.enabled` names, torch elsewhere (and
+    wherever a kernel declines its inputs)."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels, self.lib = kernels, kernels.lib
+        self.name = f"cpu-{kernels.variant}"
+
+    def rms_norm(self, x, weight, eps):
+        if self.kernels.uses("rms_norm"):
+            fused = cpu_elementwise.rms_norm(self.lib, x, weight, eps)
+            if fused is not None:
+                return fused[1]
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        if self.kernels.uses("rms_norm"):
+            fused = cpu_elementwise.rms_norm(self.lib, x, weight, eps, delta)
+            if fused is not None:
+                return fused
+        return super().add_rms_norm(x, delta, weight, eps)
+
+    def rotary(self, x, cos, sin):
+        if self.kernels.uses("rotary") and cpu_elementwise.rotary_(self.lib, x, cos, sin):
+            return x
+        return super().rotary(x, cos, sin)
+
+    def silu_and_mul(self, x):
+        if self.kernels.uses("silu_and_mul"):
+            fused = cpu_elementwise.silu_and_mul(self.lib, x)
+            if fused is not None:
+                return fused
+        return super().silu_and_mul(x)
+
+    def gelu_tanh(self, x):
+        if self.kernels.uses("gelu_tanh") and cpu_elementwise.gelu_tanh_(self.lib, x):
+            return x
+        return super().gelu_tanh(x)
+
+    def bidirectional_attention(self, query, key, value, scale):
+        if self.kernels.uses("vision_attention"):
+            return cpu_prefill.bidirectional(self.lib, query, key, value, scale)
+        return None
+
+
+TORCH_OPS = TorchOps()
+
+
+def ops_for(kernels: CpuKernels | None) -> TorchOps:
+    return TORCH_OPS if kernels is None else CpuOps(kernels)
