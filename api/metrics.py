@@ -55,6 +55,14 @@ class _EngineCollector(Collector):
                                   value=s.get("encoder_cache_hits_total", 0))  # fmt: skip
         yield CounterMetricFamily(P + "num_preemptions", "Requests preempted (recompute or swap).",
                                   value=s.get("num_preemptions_total", 0))  # fmt: skip
+        info = self.llm.platform_info()
+        kernels = GaugeMetricFamily(
+            P + "cpu_kernels_info", "The CPU C kernels in use: ISA variant and kernel names (1).",
+            labels=["variant", "kernels", "attention_backend"],
+        )  # fmt: skip
+        variant = info["cpu_variant"] or "none"
+        kernels.add_metric([variant, ",".join(info["cpu_kernels"]), info["attention_backend"]], 1.0)
+        yield kernels
 
 
 class Metrics:

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from mm_engine.api.context import get_ctx
 from mm_engine.api.errors import APIError
 from mm_engine.api.routes_common import error_responses
-from mm_engine.api.schemas import HealthResponse, ModelCard, ModelList
+from mm_engine.api.schemas import HealthResponse, ModelCard, ModelList, PlatformInfo
 
 
 def _card(request: Request, name: str) -> ModelCard:
@@ -58,6 +58,7 @@ async def health(request: Request) -> Response[HealthResponse]:
         faults_total=h.faults_total,
         last_error=h.last_error,
         num_unfinished_requests=h.num_unfinished,
+        platform=PlatformInfo(**ctx.llm.platform_info()),
     )
     if h.ok:
         return Response(body, status_code=200)

@@ -58,6 +58,13 @@ class ModelList(Struct):
     object: str = "list"
 
 
+class PlatformInfo(Struct):
+    device: str  # "cpu" or "cuda"
+    attention_backend: str  # "cpu", "torch" or "triton"
+    cpu_variant: str | None  # the C kernels' ISA variant ("avx512", "avx2", "portable"), or None
+    cpu_kernels: list[str]  # the C kernels in use
+
+
 class HealthResponse(Struct):
     status: str  # "ok", "draining", "stalled", "faulted" or "dead"
     engine_loop_alive: bool
@@ -66,6 +73,7 @@ class HealthResponse(Struct):
     faults_total: int
     last_error: str | None
     num_unfinished_requests: int
+    platform: PlatformInfo
 
 
 class CaptionForm(Struct):

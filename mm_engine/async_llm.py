@@ -61,6 +61,7 @@ class AsyncLLM(EngineLoop):
         self._cond = threading.Condition()
         self._streams: dict[str, Stream] = {}
         self._stats: dict = engine.stats()
+        self._platform: dict = engine.platform.info()  # fixed for the engine's life
         self._heartbeat = time.monotonic()
         self._faults = 0
         self._last_error: str | None = None
@@ -158,6 +159,10 @@ class AsyncLLM(EngineLoop):
     def stats(self) -> dict:
         """The engine's `stats()` as of the end of the last loop iteration (safe from any thread)."""
         return self._stats
+
+    def platform_info(self) -> dict:
+        """Device, attention backend, CPU kernel variant and the kernels in use (kernels/ops.py)."""
+        return self._platform
 
     @property
     def num_unfinished(self) -> int:

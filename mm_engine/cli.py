@@ -66,6 +66,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from mm_engine.platform import environment
+
+    env = environment()
+    if args.json:
+        print(json.dumps(env, indent=2))
+        return 0
+    width = max(map(len, env))
+    for key, value in env.items():
+        if isinstance(value, list):
+            value = ", ".join(map(str, value)) or "-"
+        elif isinstance(value, dict):
+            value = (
+                "; ".join(f"{k}: {', '.join(v) if isinstance(v, list) else v}" for k, v in value.items())
+                or "-"
+            )
+        print(f"{key:<{width}}  {value}")
+    if env["variant"] is None:
+        print("\nno CPU C kernels: the engine runs the plain torch path on CPU", file=sys.stderr)
+    return 0
+
+
 def _data_url(path: str) -> str:
     import base64
 
@@ -92,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    env = sub.add_parser("env", help="print the platform: torch, CPU features, kernel variant, compiler")
+    env.add_argument("--json", action="store_true", help="print it as JSON")
+    env.set_defaults(func=cmd_env)
     add_caption_parser(sub, add_engine_args)
     add_serve_parser(sub, add_engine_args)
     return parser

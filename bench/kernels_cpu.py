@@ -1,0 +1,224 @@
+"""Each CPU C kernel against its torch/oneDNN twin, per ISA variant, at decode and prefill shapes
+of the benchmark model (bench.vlm: 576-wide decoder, 9/3 heads of 64, a 768-wide SigLIP tower).
+
+    python -m bench.kernels_cpu [--variants avx512,avx2,portable] [--out bench/results/kernels_cpu.json]
+
+Every variant runs in its own process with torch held to the same ISA (`ATEN_CPU_CAPABILITY`,
+`ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`), so the avx2 row of an AVX-512 machine pits AVX2
+code against AVX2 code. Within a process the two sides of a row alternate, best of several
+rounds. The table says, per variant, which kernels won everywhere they ran and whether
+kernels/cpu_kernels.py's MEASURED_FASTER agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# torch held to each variant's ISA (read by torch, oneDNN and MKL at start-up).
+TORCH_ISA = {
+    "avx512": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "portable": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    },
+}
+MIN_SPEEDUP = 1.0  # a kernel is used where it beats its twin at every shape measured
+
+
+def best_ms(fn: Callable[[], object], budget_s: float, rounds: int) -> float:
+    """Best over `rounds` of the mean time per call, each round about budget_s / rounds long."""
+    fn()
+    start, n = time.perf_counter(), 0
+    while n < 3 or time.perf_counter() - start < budget_s / rounds / 4:
+        fn()
+        n += 1
+    per = (time.perf_counter() - start) / n
+    calls = max(1, int(budget_s / rounds / max(per, 1e-7)))
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls * 1e3)
+    return min(times)
+
+
+def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
+    """(kernel, shape, C side, torch side): closures over prepared inputs of one variant."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from bench.kernels_cpu_cases import attention_cases
+    from mm_engine.kernels import cpu_elementwise
+    from mm_engine.kernels.cpu_kernels import KERNELS, select
+    from mm_engine.kernels.ops import TORCH_OPS
+    from mm_engine.packed_linear import PackedLinear, PanelLinear
+
+    kernels = select(kernels="all")
+    assert kernels is not None and kernels.enabled == frozenset(KERNELS)
+    lib = kernels.lib
+    g = torch.Generator().manual_seed(0)
+    hidden, inter, vision_mlp, vocab = (64, 128, 128, 512) if quick else (576, 1536, 3072, 49152)
+    out: list[tuple[str, str, Callable, Callable]] = []
+
+    # The decoder layer's four linears (q/k/v, o, gate/up, down), and the LM head.
+    layer = [nn.Linear(hidden, hidden + 128 * 3), nn.Linear(hidden, hidden), nn.Linear(hidden, 2 * inter),
+             nn.Linear(inter, hidden)]  # fmt: skip
+    head = nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        for lin in (*layer, head):
+            lin.weight.normal_(0, 0.02, generator=g)
+    fast, onednn = [PanelLinear(m, lib) for m in layer], [PackedLinear(m) for m in layer]
+    fast_head, onednn_head = PanelLinear(head, lib), PackedLinear(head)
+    for rows in (1, 16, 64) if quick else (1, 16, 64, 512):
+        xs = {k: torch.randn(rows, k, generator=g) for k in (hidden, inter)}
+
+        def run(mods, xs=xs):
+            for m in mods:
+                m(xs[m.in_features])
+
+        out.append(("gemm", f"decoder layer, {rows} rows", lambda f=fast: run(f), lambda o=onednn: run(o)))
+    x = torch.randn(64, hidden, generator=g)
+    out.append(("gemm", "LM head, 64 rows", lambda: fast_head(x), lambda: onednn_head(x)))
+
+    out += attention_cases(kernels, quick, g)
+
+    for rows in (64, 2048) if not quick else (64, 256):
+        x, d = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g) * 1e-3
+        w = torch.rand(hidden, generator=g) + 0.5
+        out.append((
+            "rms_norm", f"add + norm, {rows} x {hidden}",
+            lambda x=x, d=d, w=w: cpu_elementwise.rms_norm(lib, x, w, 1e-6, d),
+            lambda x=x, d=d, w=w: F.rms_norm(x.add_(d), (hidden,), w, 1e-6),
+        ))  # fmt: skip
+        qkv = torch.randn(rows, 15 * 64, generator=g)  # 9 query, 3 key and 3 value heads
+        qk = qkv[:, : 12 * 64].view(rows, 12, 64)
+        cos, sin = torch.randn(rows, 1, 32, generator=g), torch.randn(rows, 1, 32, generator=g)
+        out.append((
+            "rotary", f"{rows} tokens x 12 heads x 64",
+            lambda qk=qk, c=cos, s=sin: cpu_elementwise.rotary_(lib, qk, c, s),
+            lambda qk=qk, c=cos, s=sin: TORCH_OPS.rotary(qk, c, s),
+        ))  # fmt: skip
+        gu = torch.randn(rows, 2 * inter, generator=g)
+        out.append((
+            "silu_and_mul", f"{rows} x {inter}",
+            lambda gu=gu: cpu_elementwise.silu_and_mul(lib, gu),
+            lambda gu=gu: TORCH_OPS.silu_and_mul(gu),
+        ))  # fmt: skip
+    act = torch.randn(2 if quick else 8 * 196, vision_mlp, generator=g)
+    out.append((
+        "gelu_tanh", f"{act.shape[0]} x {vision_mlp} (vision MLP)",
+        lambda: cpu_elementwise.gelu_tanh_(lib, act.normal_()),
+        lambda: F.gelu(act.normal_(), approximate="tanh"),
+    ))  # fmt: skip
+    return out
+
+
+def run_variant(quick: bool, budget_s: float, rounds: int) -> dict:
+    import torch
+
+    from mm_engine.kernels import cpu_build
+
+    rows = []
+    for kernel, shape, c_fn, torch_fn in cases(quick):
+        c_ms, t_ms = [], []
+        for _ in range(2):  # alternate the two sides: drift on the machine hits both
+            c_ms.append(best_ms(c_fn, budget_s / 2, rounds))
+            t_ms.append(best_ms(torch_fn, budget_s / 2, rounds))
+        c, t = min(c_ms), min(t_ms)
+        rows.append({"kernel": kernel, "shape": shape, "c_ms": c, "torch_ms": t, "speedup": t / c})
+    return {
+        "variant": cpu_build.best_variant(),
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def verdict(rows: list[dict]) -> dict[str, dict]:
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["kernel"], []).append(r["speedup"])
+    return {
+        k: {
+            "min_speedup": min(v),
+            "geomean": math.exp(sum(map(math.log, v)) / len(v)),
+            "faster": min(v) >= MIN_SPEEDUP,
+        }
+        for k, v in by.items()
+    }
+
+
+def print_table(results: dict) -> None:
+    from mm_engine.kernels.cpu_kernels import MEASURED_FASTER
+
+    print(f"CPU: {results['cpu']}  (torch {results['torch']}, {results['threads']} threads)")
+    for name, res in results["variants"].items():
+        print(f"\n{name} (torch held to {res['torch_capability']})")
+        print(f"  {'kernel':<17} {'shape':<34} {'C ms':>9} {'torch ms':>9} {'speedup':>8}")
+        for r in res["rows"]:
+            ms = f"{r['c_ms']:>9.3f} {r['torch_ms']:>9.3f}"
+            print(f"  {r['kernel']:<17} {r['shape']:<34} {ms} {r['speedup']:>7.2f}x")
+        table = MEASURED_FASTER.get(name, frozenset())
+        for k, v in res["verdict"].items():
+            agrees = "agrees" if (k in table) == v["faster"] else "DISAGREES"
+            use = "use" if v["faster"] else "torch"
+            print(f"  -> {k:<17} min {v['min_speedup']:.2f}x, geomean {v['geomean']:.2f}x: {use} ({agrees})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=None, help="comma-separated (default: all this CPU runs)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_cpu.json"))
+    parser.add_argument("--budget", type=float, default=0.6, help="seconds per side per row")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, not figures)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        json.dump(run_variant(args.quick, args.budget, args.rounds), sys.stdout)
+        return 0
+    import torch
+
+    from mm_engine.kernels import cpu_build
+    from mm_engine.platform import environment
+
+    names = (
+        args.variants.split(",")
+        if args.variants
+        else [v for v in cpu_build.VARIANTS if cpu_build.supported(v)]
+    )
+    env = environment()
+    results = {"cpu": env["cpu"], "cpu_features": env["cpu_features"], "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "variants": {}}  # fmt: skip
+    for name in names:
+        child_env = {**os.environ, **TORCH_ISA.get(name, {}), "MM_ENGINE_CPU_VARIANT": name}
+        cmd = [sys.executable, "-m", "bench.kernels_cpu", "--child", "--budget", str(args.budget),
+               "--rounds", str(args.rounds), *(["--quick"] if args.quick else [])]  # fmt: skip
+        with tempfile.TemporaryFile("w+") as out:
+            subprocess.run(cmd, env=child_env, stdout=out, check=True)
+            out.seek(0)
+            res = json.load(out)
+        res["verdict"] = verdict(res["rows"])
+        results["variants"][name] = res
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"\nsaved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""bench.kernels_cpu's attention and K/V-write rows: the "cpu" backend (C kernels) against the
+plain torch backend on the same pool and metadata, and a vision tower's attention against SDPA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mm_engine.kernels.cpu_kernels import CpuKernels
+from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels.ops import CpuOps
+from mm_engine.kernels.torch_backend import TorchBackend
+from mm_engine.pools.kv_cache import paged_kv_tensor
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+
+
+def _meta(seq_lens: list[int], q_lens: list[int]) -> tuple[AttentionMetadata, int]:
+    """Metadata of one batch whose sequences own consecutive blocks; and the blocks needed."""
+    tables, nxt = [], 0
+    for n in seq_lens:
+        tables.append(list(range(nxt, nxt + -(-n // BLOCK))))
+        nxt += len(tables[-1])
+    width = max(map(len, tables))
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.arange(sum(q_lens), dtype=torch.long),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return meta, nxt
+
+
+def attention_cases(
+    kernels: CpuKernels, quick: bool, g: torch.Generator
+) -> list[tuple[str, str, Callable, Callable]]:
+    fast, plain = TorchBackend(kernels), TorchBackend()
+    out = []
+    grid = {
+        "decode": [(16, 300), (64, 300)] if not quick else [(2, 40)],
+        "prefill": [(4, 256, 256), (1, 1024, 512)] if not quick else [(1, 40, 20)],
+    }
+    for batch, length in grid["decode"]:
+        meta, blocks = _meta([length] * batch, [1] * batch)
+        k, v = (paged_kv_tensor(blocks, BLOCK, KV_HEADS, DIM, torch.float32, "cpu").normal_() for _ in "kv")
+        q = torch.randn(batch, HEADS, DIM, generator=g)
+        out.append((
+            "decode", f"{batch} seqs x {length} tokens",
+            lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), fast.attend(q, k, v, m, 0.125)),
+            lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), plain.attend(q, k, v, m, 0.125)),
+        ))  # fmt: skip
+    for batch, length, new in grid["prefill"]:
+        meta, blocks = _meta([length] * batch, [new] * batch)
+        k, v = (paged_kv_tensor(blocks, BLOCK, KV_HEADS, DIM, torch.float32, "cpu").normal_() for _ in "kv")
+        q = torch.randn(batch * new, HEADS, DIM, generator=g)
+        what = "whole prompts" if new == length else f"chunks of {new} after {length - new}"
+        out.append((
+            "prefill", f"{batch} x {length} tokens, {what}",
+            lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), fast.attend(q, k, v, m, 0.125)),
+            lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), plain.attend(q, k, v, m, 0.125)),
+        ))  # fmt: skip
+    for tokens in (64, 2048) if not quick else (8,):
+        meta, blocks = _meta([tokens], [tokens])
+        k, v = (paged_kv_tensor(blocks + 1, BLOCK, KV_HEADS, DIM, torch.float32, "cpu").zero_() for _ in "kv")
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM, generator=g)
+        key = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(tokens, KV_HEADS, DIM)
+        value = qkv[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
+        slots = torch.randperm(blocks * BLOCK, generator=g)[:tokens]
+        out.append((
+            "kv_write", f"{tokens} tokens",
+            lambda key=key, value=value, k=k, v=v, s=slots: fast.write_kv(key, value, k, v, s),
+            lambda key=key, value=value, k=k, v=v, s=slots: plain.write_kv(key, value, k, v, s),
+        ))  # fmt: skip
+    images, tokens, heads = (8, 196, 12) if not quick else (2, 20, 2)
+    x = torch.randn(images, tokens, 3, heads, DIM, generator=g)
+    q, k, v = (x[:, :, j].transpose(1, 2) for j in range(3))  # as a vision tower hands them over
+    ops = CpuOps(kernels)
+    out.append((
+        "vision_attention", f"{images} images x {tokens} tokens x {heads} heads",
+        lambda: ops.bidirectional_attention(q, k, v, 0.125),
+        lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125).transpose(1, 2),
+    ))  # fmt: skip
+    return out
