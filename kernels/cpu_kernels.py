@@ -25,11 +25,13 @@ KERNELS = (
     "silu_and_mul",  # silu(gate) * up in one pass, in place of two ops
     "gelu_tanh",  # tanh-GELU in place, in place of F.gelu
 )
-# From bench/results/kernels_cpu.json (the 2-core AMD EPYC 9B14, Zen 4: every variant runs there).
+# From bench/results/kernels_cpu.json, measured on the 2-core AMD EPYC (Zen 4) development
+# machine, which runs every variant (torch held to the same ISA in each). The vision tower's
+# attention lost to torch 2.14's SDPA on each ISA (0.98x, 0.93x, 0.82x) and stays on SDPA.
 MEASURED_FASTER: dict[str, frozenset[str]] = {
-    "avx512": frozenset(KERNELS),
-    "avx2": frozenset(KERNELS),
-    "portable": frozenset(KERNELS),
+    "avx512": frozenset(KERNELS) - {"vision_attention"},
+    "avx2": frozenset(KERNELS) - {"vision_attention"},
+    "portable": frozenset(KERNELS) - {"vision_attention"},
 }
 
 

@@ -29,7 +29,9 @@ typedef int ivec __attribute__((vector_size(MM_VEC_BYTES)));
 
 static inline vec load(const float *p) { return *(const vec_u *)p; }
 static inline void store(float *p, vec v) { *(vec_u *)p = v; }
-static inline vec splat(float x) { return (vec){} + x; }
+/* x in every lane: one broadcast, from memory where x comes from there. (`(vec){} + x`, the usual
+ * spelling, costs an add here: without -ffast-math, 0 + x cannot be folded, -0 + 0 being +0.) */
+static inline vec splat(float x) { return __builtin_shuffle((vec){x}, (ivec){}); }
 
 /* exp(x) in float32, to about 2 ulp, written so that `omp simd` loops vectorise it (glibc's
  * vector exp is only declared under -ffast-math). Cody-Waite reduction x = n ln2 + r, Cephes'

@@ -172,7 +172,13 @@ def test_models_health_metrics_openapi(client):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    platform = health.json()["platform"]  # which CPU kernels serve: the widest variant cpuid allows
+    assert platform["device"] == "cpu" and platform["attention_backend"] == "cpu"
+    assert platform["cpu_variant"] in ("avx512", "avx2", "portable") and "decode" in platform["cpu_kernels"]
     text = client.get("/metrics").text
+    kernels = ",".join(platform["cpu_kernels"])
+    labels = {"variant": platform["cpu_variant"], "kernels": kernels, "attention_backend": "cpu"}
+    assert metric(text, "mm_engine:cpu_kernels_info", **labels) == 1
     counters = (
         "encoder_cache_hits_total",
         "num_preemptions_total",

@@ -41,3 +41,19 @@ def test_case_layouts_hold_the_same_values():
     table = case.meta.block_tables[1].long()
     first_block = case.k_cache[table[0]]  # [slot, kv_head, dim]
     assert torch.equal(case.k_dense[1, :, :16], first_block.transpose(0, 1))
+
+
+def test_cpu_kernel_bench_runs_every_kernel_against_its_twin(capsys):
+    """bench.kernels_cpu on tiny shapes in this process: a row per kernel and shape, each with
+    both sides' figures and a verdict per kernel. No timing is checked."""
+    from bench import kernels_cpu
+    from mm_engine.kernels.cpu_kernels import KERNELS
+
+    res = kernels_cpu.run_variant(quick=True, budget_s=0.004, rounds=1)
+    assert {r["kernel"] for r in res["rows"]} == set(KERNELS)
+    assert all(r["c_ms"] > 0 and r["torch_ms"] > 0 for r in res["rows"])
+    res["verdict"] = kernels_cpu.verdict(res["rows"])
+    assert set(res["verdict"]) == set(KERNELS)
+    kernels_cpu.print_table({"cpu": "x", "torch": torch.__version__, "threads": 2, "variants": {"v": res}})
+    assert "-> gemm" in capsys.readouterr().out
+    json.dumps(res)

@@ -123,11 +123,20 @@ def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
     torch.testing.assert_close(out, want)
 
 
-def test_engine_routes_the_vision_tower_through_the_kernel_only_on_the_cpu_backend(siglip_qwen2):
+def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enabled(
+    siglip_qwen2, monkeypatch
+):
+    """By default the measured table decides (SDPA won on every ISA measured so far); with the
+    kernel enabled the tower's attention goes through it, and the features are the same."""
     from mm_engine import LLM
 
-    fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine
-    plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine
+    kw = {"kv_cache_memory_bytes": 4 * 1024**2}
+    default = LLM(siglip_qwen2, **kw).engine
+    routed = default.model.vision_tower.config._attn_implementation.startswith("mm_engine")
+    assert routed == default.platform.kernels.uses("vision_attention")
+    monkeypatch.setenv("MM_ENGINE_CPU_KERNELS", "all")
+    fast = LLM(siglip_qwen2, **kw).engine
+    plain = LLM(siglip_qwen2, attention_backend="torch", **kw).engine
     name = f"mm_engine_{fast.platform.ops.name}"
     assert fast.model.vision_tower.config._attn_implementation == name
     assert not plain.model.vision_tower.config._attn_implementation.startswith("mm_engine")
