@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,8 +235,12 @@ def _build(cc: str, name: str, sources: list[Path], flags: list[str], link: list
         return target
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
-        for source, obj in zip(sources, objects, strict=True):
-            _run([cc, *COMMON, *flags, f"-I{HERE}", "-c", str(source), "-o", str(obj)])
+        compiles = [
+            [cc, *COMMON, *flags, f"-I{HERE}", "-c", str(s), "-o", str(o)]
+            for s, o in zip(sources, objects, strict=True)
+        ]
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the sources compile side by side
+            list(pool.map(_run, compiles))
         built = Path(tmp) / target.name
         _run([cc, "-shared", *map(str, objects), *link, "-o", str(built), "-lm"])
         os.replace(built, target)  # atomic: concurrent builders each land a whole file

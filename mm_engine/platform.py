@@ -51,7 +51,7 @@ class Platform:
 
 def make_platform(device: torch.device, attention_backend: str) -> Platform:
     kernels = None
-    if resolve_backend_name(attention_backend, device) == "cpu":
+    if device.type == "cpu" and resolve_backend_name(attention_backend, device) == "cpu":
         kernels = cpu_kernels.select()
         if kernels is None and cpu_build.status()["errors"]:
             log.warning("no CPU C kernels: %s", cpu_build.status()["errors"])
