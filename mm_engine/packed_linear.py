@@ -32,7 +32,28 @@ BATCH_HINT = 64
 def can_pack(linear: nn.Linear) -> bool:
     w = linear.weight
     on_cpu = w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-    return on_cpu and w.dtype in (torch.float32, torch.bfloat16) and _have_ops()
+    dtype_ok = w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and onednn_bf16())
+    return on_cpu and dtype_ok and _have_ops()
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN can reorder and multiply bf16 weights here: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses otherwise (an AVX2-only CPU, or ONEDNN_MAX_CPU_ISA below them).
+    Asked of oneDNN itself, with one tiny reorder."""
+    if not (torch.backends.mkldnn.is_available() and _have_ops()):
+        return False
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        w = torch.zeros(8, 8, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(2, 8, dtype=torch.bfloat16), packed, None, "none", [], ""
+        )
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache

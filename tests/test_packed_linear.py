@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mm_engine.packed_linear import PackedLinear, can_pack, pack_linears
+from mm_engine.packed_linear import PackedLinear, can_pack, onednn_bf16, pack_linears
 
 # A torch built without oneDNN (mkldnn) has no packed path: the engine keeps plain nn.Linear there
 # and there is nothing of this module's to test. The pinned torch wheels have oneDNN.
@@ -39,16 +39,8 @@ def test_packed_model_computes_what_nn_linear_computes_for_any_row_count():
     assert "in_features=16, out_features=40, bias=True" in repr(model["mlp"][0])
 
 
-def _onednn_bf16() -> bool:
-    """oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; torch asks oneDNN."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 @pytest.mark.skipif(
-    not _onednn_bf16(), reason="this CPU has no bf16 instructions oneDNN can use (AVX-512 or AVX-NE-CONVERT)"
+    not onednn_bf16(), reason="this CPU has no bf16 instructions oneDNN can use (AVX-512 or AVX-NE-CONVERT)"
 )
 @torch.inference_mode()
 def test_packed_linear_takes_batched_inputs_and_bfloat16():
@@ -62,5 +54,16 @@ def test_packed_linear_takes_batched_inputs_and_bfloat16():
 
 def test_nothing_but_cpu_float_linears_is_packed():
     model = nn.Sequential(nn.Linear(4, 4).double(), nn.Linear(4, 4))
+    assert pack_linears(model) == 1
+    assert isinstance(model[0], nn.Linear) and isinstance(model[1], PackedLinear)
+
+
+def test_bfloat16_weights_stay_plain_where_onednn_has_no_bf16(monkeypatch):
+    """On an AVX2-only CPU oneDNN refuses the bf16 reorder: such a layer keeps nn.Linear instead
+    of failing the model's load."""
+    from mm_engine import packed_linear
+
+    monkeypatch.setattr(packed_linear, "onednn_bf16", lambda: False)
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4))
     assert pack_linears(model) == 1
     assert isinstance(model[0], nn.Linear) and isinstance(model[1], PackedLinear)
