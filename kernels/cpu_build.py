@@ -97,11 +97,13 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-@functools.cache
 def compiler_version() -> str | None:
     cc = compiler()
-    if cc is None:
-        return None
+    return None if cc is None else _version(cc)
+
+
+@functools.cache
+def _version(cc: str) -> str | None:
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -205,8 +207,8 @@ def _describe(e: Exception) -> str:
 
 def _load_library(name: str, sources: list[Path], flags: list[str], link_openmp: bool = True) -> ctypes.CDLL:
     cc = compiler()
-    if cc is None:
-        raise FileNotFoundError("no C compiler (cc, gcc or $CC) on PATH")
+    if cc is None or shutil.which(cc) is None:
+        raise FileNotFoundError(f"no C compiler ({'$CC=' + cc if cc else 'cc, gcc or $CC'} not found)")
     runtime = openmp_runtime() if link_openmp else None
     # torch's runtime by path (its soname is already loaded, so the library shares it); where none
     # is mapped, the compiler's own.

@@ -84,3 +84,15 @@ def test_mm_engine_env_prints_the_platform(capsys):
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert "variant" in text and env["variant"] in text and "openmp_runtime" in text
+
+
+def test_without_a_compiler_nothing_loads_and_status_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MM_ENGINE_CACHE", str(tmp_path / "cache"))  # nothing cached to fall back on
+    monkeypatch.delenv("MM_ENGINE_CPU_VARIANT", raising=False)
+    monkeypatch.setattr(cpu_build, "_libs", {})
+    monkeypatch.setattr(cpu_build, "_errors", {})
+    monkeypatch.setattr(cpu_build, "_features", None)
+    assert cpu_kernels.select() is None
+    errors = cpu_build.status()["errors"]
+    assert "no C compiler" in errors["probe"] and "no C compiler" in errors["portable"]
