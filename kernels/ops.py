@@ -66,40 +66,44 @@ class CpuOps(TorchOps):
     def __init__(self, kernels: CpuKernels) -> None:
         self.kernels, self.lib = kernels, kernels.lib
         self.name = f"cpu-{kernels.variant}"
+        # Looked up once: these run per layer and step.
+        self.c_norm, self.c_rotary, self.c_silu, self.c_gelu, self.c_vision = (
+            kernels.uses(k) for k in ("rms_norm", "rotary", "silu_and_mul", "gelu_tanh", "vision_attention")
+        )
 
     def rms_norm(self, x, weight, eps):
-        if self.kernels.uses("rms_norm"):
+        if self.c_norm:
             fused = cpu_elementwise.rms_norm(self.lib, x, weight, eps)
             if fused is not None:
                 return fused[1]
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, delta, weight, eps):
-        if self.kernels.uses("rms_norm"):
+        if self.c_norm:
             fused = cpu_elementwise.rms_norm(self.lib, x, weight, eps, delta)
             if fused is not None:
                 return fused
         return super().add_rms_norm(x, delta, weight, eps)
 
     def rotary(self, x, cos, sin):
-        if self.kernels.uses("rotary") and cpu_elementwise.rotary_(self.lib, x, cos, sin):
+        if self.c_rotary and cpu_elementwise.rotary_(self.lib, x, cos, sin):
             return x
         return super().rotary(x, cos, sin)
 
     def silu_and_mul(self, x):
-        if self.kernels.uses("silu_and_mul"):
+        if self.c_silu:
             fused = cpu_elementwise.silu_and_mul(self.lib, x)
             if fused is not None:
                 return fused
         return super().silu_and_mul(x)
 
     def gelu_tanh(self, x):
-        if self.kernels.uses("gelu_tanh") and cpu_elementwise.gelu_tanh_(self.lib, x):
+        if self.c_gelu and cpu_elementwise.gelu_tanh_(self.lib, x):
             return x
         return super().gelu_tanh(x)
 
     def bidirectional_attention(self, query, key, value, scale):
-        if self.kernels.uses("vision_attention"):
+        if self.c_vision:
             return cpu_prefill.bidirectional(self.lib, query, key, value, scale)
         return None
 
