@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mm_engine.model import feature_layers, tokens_per_image
+from mm_engine.models.llava import feature_layers, tokens_per_image
 from mm_engine.packed_linear import PackedLinear, can_pack
 
 

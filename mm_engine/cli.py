@@ -29,8 +29,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif kind is dict:  # --mm-processor-kwargs '{"max_pixels": 1003520}'
+            group.add_argument(flag, type=_json_object, default=f.default, help="a JSON object")
         else:
             group.add_argument(flag, type=kind, default=f.default, help=f"default: {f.default}")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

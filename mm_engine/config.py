@@ -46,6 +46,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     encoder_cache_bytes: int = 256 * 1024**2
     max_num_encoder_tokens: int | None = None  # image tokens encoded per step; None: budget or one image
+    max_image_tokens: int | None = None  # prompt tokens one image may take; None: max_model_len // 4
+    mm_processor_kwargs: dict | None = None  # processor options, e.g. {"max_pixels": 1003520} (Qwen)
     kv_watermark: float = 0.01  # fraction of each pool kept free when admitting new requests
     max_waiting_requests: int = 10_000
     seed: int = 0
@@ -64,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not 0.0 <= self.kv_watermark < 0.5:
             raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
+        if self.max_image_tokens is not None and self.max_image_tokens < 1:
+            raise ValueError(f"max_image_tokens must be at least 1, got {self.max_image_tokens}")
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ValueError("mm_processor_kwargs must be a dict of processor options")
         for name in ("encoder_cache_bytes", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

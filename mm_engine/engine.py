@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from mm_engine import models
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.detokenizer import IncrementalDetokenizer
 from mm_engine.inputs import InputProcessor, find_chat_template
-from mm_engine.model_loader import load_config, load_model, resolve_model_path
+from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mm_engine.platform import make_platform
@@ -33,7 +34,8 @@ from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.policy import make_policy
 from mm_engine.sched.scheduler import Scheduler
 from mm_engine.vision.encoder_cache import EncoderCache
-from mm_engine.vision.preprocess import ImagePreprocessor, load_image_processor_config
+
+IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
 
 
 class LLMEngine:
@@ -47,26 +49,22 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.platform = make_platform(self.device, config.attention_backend)
         backend = self.platform.backend
-        self.model = load_model(
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        processing = models.make_processing(path, self.tokenizer, self.hf_config, config.mm_processor_kwargs)
+        self.model = models.load_model(
             path,
             self.hf_config,
             config.torch_dtype("dtype"),
             config.torch_dtype("vision_dtype"),
             self.device,
+            self.platform,
             pack_weights=config.cpu_packed_weights,
-            platform=self.platform,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            ImagePreprocessor.from_config(load_image_processor_config(path)),
-            self.hf_config.image_token_index,
-            self.model.tokens_per_image,
-            find_chat_template(path, self.tokenizer),
-        )
+        self.inputs = InputProcessor(self.tokenizer, processing, find_chat_template(path, self.tokenizer))
         self.eos_token_ids = self._eos_ids(path)
         text_cfg = self.hf_config.text_config
         self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
+        self.max_image_tokens = config.max_image_tokens or self._default_image_cap(processing)
         lm = self.model.language_model
         spec = KVCacheSpec(
             len(lm.layers), text_cfg.num_key_value_heads, lm.head_dim, config.block_size, config.torch_dtype()
@@ -85,7 +83,7 @@ class LLMEngine:
         )
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         # By default one step may encode at least one whole image, whatever the token budget.
-        default_budget = max(config.max_num_batched_tokens, self.model.tokens_per_image)
+        default_budget = max(config.max_num_batched_tokens, self.max_image_tokens)
         self.encoder_budget = config.max_num_encoder_tokens or default_budget
         policy = make_policy(
             config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
@@ -115,9 +113,10 @@ class LLMEngine:
         return self.add_processed(text, ids, spans, params, request_id, priority)
 
     def add_chat_request(
-        self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> str:
-        text, ids, spans = self.inputs.chat(messages)
+        self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        mm_processor_kwargs: dict | None = None,
+    ) -> str:  # fmt: skip
+        text, ids, spans = self.inputs.chat(messages, mm_processor_kwargs)
         return self.add_processed(text, ids, spans, params, request_id, priority)
 
     def add_processed(
@@ -142,6 +141,9 @@ class LLMEngine:
             priority=priority,
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
         )
+        positions = self.model.positions(ids, spans) if spans else None
+        if positions is not None:
+            req.mrope_positions, req.mrope_delta = positions.prompt, positions.delta
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.scheduler.add(req)  # may refuse (queue full) before anything is recorded
         self.requests[request_id] = req
@@ -154,18 +156,25 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
             )
-        if spans:
-            emb = self.model.language_model.embed_tokens
-            feat_bytes = spans[0].length * emb.embedding_dim * emb.weight.element_size()
+        emb = self.model.language_model.embed_tokens
+        per_embed = (1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size()
+        for k, span in enumerate(spans):
+            if span.length > self.max_image_tokens:
+                raise ValueError(
+                    f"image {k} takes {span.length} tokens, more than max_image_tokens="
+                    f"{self.max_image_tokens}; send a smaller image, lower max_pixels in "
+                    "mm_processor_kwargs, or raise max_image_tokens"
+                )
+            feat_bytes = span.num_embeds * per_embed
             if feat_bytes > self.encoder_cache.capacity_bytes:
                 raise ValueError(
-                    f"one image's encoder output is {feat_bytes} bytes, larger than the encoder cache "
+                    f"image {k}'s encoder output is {feat_bytes} bytes, larger than the encoder cache "
                     f"({self.encoder_cache.capacity_bytes} bytes); raise encoder_cache_bytes"
                 )
-            if spans[0].length > self.encoder_budget:
+            if span.num_embeds > self.encoder_budget:
                 raise ValueError(
-                    f"an image is {spans[0].length} tokens, more than the per-step encoder budget "
-                    f"({self.encoder_budget}); raise max_num_encoder_tokens"
+                    f"image {k} is {span.num_embeds} encoder tokens, more than the per-step encoder "
+                    f"budget ({self.encoder_budget}); raise max_num_encoder_tokens"
                 )
         probe = Request("probe", ids, spans, params, 0.0, -1, frozenset())
         need = self.blocks.blocks_needed(probe, min(len(ids) + params.max_tokens, self.max_model_len))
@@ -292,6 +301,13 @@ class LLMEngine:
             "prefix_cache_hits_total": {n: p.hits for n, p in self.blocks.pools.items()},
             "encoder_cache_hits_total": self.encoder_cache.hits,
         }
+
+    def _default_image_cap(self, processing) -> int:
+        """A family whose image size decides its token count gets a cap, so that one huge upload
+        does not take thousands of tokens unasked; a fixed count (LLaVA-1.5) needs none."""
+        if processing.fixed_tokens is not None:
+            return max(processing.fixed_tokens, self.max_model_len)
+        return max(1, int(self.max_model_len * IMAGE_TOKEN_FRACTION))
 
     def _kv_bytes(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:

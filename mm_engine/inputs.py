@@ -1,5 +1,6 @@
-"""From what a user passes (a prompt with `<image>` placeholders and images, or chat messages) to
-token ids with each placeholder expanded to the image's tokens, plus the preprocessed images."""
+"""From what a user passes (a prompt with the model's image placeholder and images, or chat messages)
+to token ids with each placeholder expanded to the image's run of tokens, plus the processed images.
+What an image becomes is the model family's `Processing`; this file is family-blind."""
 
 from __future__ import annotations
 
@@ -10,36 +11,34 @@ from typing import Any
 
 import PIL.Image
 
+from mm_engine.models.interface import Processing
 from mm_engine.request import ImageSpan
-from mm_engine.vision.image_io import ImageLimits, decode_data_url, image_content_hash, load_image
-from mm_engine.vision.preprocess import ImagePreprocessor
+from mm_engine.vision.image_io import ImageLimits, decode_data_url, load_image
 
 
 class InputProcessor:
     def __init__(
         self,
         tokenizer,
-        preprocessor: ImagePreprocessor,
-        image_token_id: int,
-        tokens_per_image: int,
+        processing: Processing,
         chat_template: str | None,
         limits: ImageLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.preprocessor = preprocessor
-        self.image_token_id = image_token_id
-        self.tokens_per_image = tokens_per_image
+        self.processing = processing
+        self.image_token_id = processing.image_token_id
+        self.image_token = processing.image_token
         self.chat_template = chat_template
         self.limits = limits or ImageLimits()
-        self.image_token = tokenizer.convert_ids_to_tokens(image_token_id)
 
     def process(self, prompt: Any) -> tuple[str | None, list[int], list[ImageSpan]]:
-        """A string, or a dict with `prompt` (or `prompt_token_ids`) and `multi_modal_data.image`."""
+        """A string, or a dict with `prompt` (or `prompt_token_ids`), `multi_modal_data.image` and
+        `mm_processor_kwargs` (processor options for this request, over the server's)."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, Mapping):
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
         if unknown:
             raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
         mm = prompt.get("multi_modal_data") or {}
@@ -56,10 +55,15 @@ class InputProcessor:
             raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
         if not ids:
             raise ValueError("the prompt is empty")
-        return text, *self.expand(ids, images)
+        overrides = prompt.get("mm_processor_kwargs")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise ValueError("mm_processor_kwargs must be a dict of processor options")
+        return text, *self.expand(ids, images, overrides)
 
-    def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageSpan]]:
-        """Replace each image placeholder with `tokens_per_image` image tokens and preprocess images."""
+    def expand(
+        self, ids: list[int], images: list[Any], overrides: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """Replace each image placeholder with the image's run of tokens, processing each image."""
         n_placeholders = ids.count(self.image_token_id)
         if n_placeholders != len(images):
             raise ValueError(
@@ -69,21 +73,28 @@ class InputProcessor:
         pils = [self._load(img, i) for i, img in enumerate(images)]
         out: list[int] = []
         spans: list[ImageSpan] = []
-        salt = self.preprocessor.settings_key()
         for tok in ids:
             if tok != self.image_token_id:
                 out.append(tok)
                 continue
-            img = pils[len(spans)]
+            index = len(spans)
+            try:
+                image = self.processing.process(pils[index], overrides)
+            except ValueError as exc:
+                raise ValueError(f"image {index}: {exc}") from None
             spans.append(
                 ImageSpan(
                     offset=len(out),
-                    length=self.tokens_per_image,
-                    pixel_values=self.preprocessor(img),
-                    content_hash=image_content_hash(img, salt),
+                    length=len(image.tokens),
+                    pixel_values=image.pixel_values,
+                    content_hash=image.content_hash,
+                    embed_mask=image.embed_mask,
+                    num_embeds=image.num_embeds,
+                    grid=image.grid,
+                    pixel_mask=image.pixel_mask,
                 )
             )
-            out.extend([self.image_token_id] * self.tokens_per_image)
+            out.extend(image.tokens)
         return out, spans
 
     def _load(self, image: Any, index: int) -> PIL.Image.Image:
@@ -96,7 +107,9 @@ class InputProcessor:
         except ValueError as exc:
             raise type(exc)(f"image {index}: {exc}") from None
 
-    def chat(self, messages: list[dict]) -> tuple[str, list[int], list[ImageSpan]]:
+    def chat(
+        self, messages: list[dict], overrides: Mapping[str, Any] | None = None
+    ) -> tuple[str, list[int], list[ImageSpan]]:
         """OpenAI-style messages -> the chat template's prompt, its ids and the images in order."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
@@ -130,7 +143,7 @@ class InputProcessor:
         )
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, *self.expand(ids, images)
+        return text, *self.expand(ids, images, overrides)
 
 
 def find_chat_template(model_dir: Path, tokenizer) -> str | None:

@@ -36,9 +36,12 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, `rotate_half` layout, any rope type transformers knows."""
+    """Rotary position embedding, `rotate_half` layout, any rope type transformers knows.
 
-    def __init__(self, config, head_dim: int) -> None:
+    With `mrope_streams` (the Qwen VL line), positions are `[3, tokens]` (temporal, height, width)
+    and frequency `k` of each head turns with the position of axis `mrope_streams[k]`."""
+
+    def __init__(self, config, head_dim: int, mrope_streams: list[int] | None = None) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
         rope_type = params.get("rope_type", "default")
@@ -50,17 +53,40 @@ class Rotary(nn.Module):
         else:
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        if mrope_streams is not None and len(mrope_streams) != inv_freq.numel():
+            raise ValueError(
+                f"mrope_section covers {len(mrope_streams)} frequencies, the head has {inv_freq.numel()}"
+            )
+        streams = None if mrope_streams is None else torch.tensor(mrope_streams, dtype=torch.long)
+        self.register_buffer("streams", streams, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[tokens, 1, head_dim // 2]` for these positions (both halves of a head use
         the same angles), computed once per forward pass and shared by every layer."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        if positions.dim() == 2:  # [3, tokens]: each frequency reads its own axis
+            freqs = positions[self.streams].t().float() * self.inv_freq[None, :]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
+def mrope_streams(section: list[int], interleaved: bool) -> list[int]:
+    """Which position axis each rotary frequency reads: contiguous sections (Qwen2-VL, Qwen2.5-VL:
+    t...t h...h w...w) or interleaved ones (Qwen3-VL: t h w t h w ..., then t for the rest)."""
+    if not interleaved:
+        return [axis for axis, n in enumerate(section) for _ in range(n)]
+    out = [0] * sum(section)
+    for axis in (1, 2):
+        for k in range(axis, min(3 * section[axis], len(out)), 3):
+            out[k] = axis
+    return out
+
+
 class Attention(nn.Module):
-    def __init__(self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS) -> None:
+    def __init__(
+        self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         h, self.num_heads, self.num_kv_heads = (
             config.hidden_size,
@@ -75,6 +101,9 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.qkv_proj: nn.Linear | None = None
         self.ops = ops
+        # Qwen3: an RMSNorm over each head of q and k before the rotary.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if qk_norm else None
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
@@ -85,16 +114,23 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t, hd, h, kvh = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        if self.qkv_proj is not None:
+        if self.q_norm is not None and self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+            q = self.q_norm(qkv[:, : h * hd].reshape(t * h, hd)).view(t, h, hd)
+            k = self.k_norm(qkv[:, h * hd : (h + kvh) * hd].reshape(t * kvh, hd)).view(t, kvh, hd)
+            q, k, v = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope), qkv[:, (h + kvh) * hd :]
+        elif self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
             # q and k sit side by side in the fused output: rotate them as one [t, h + kvh, hd] view
             # (in place where the ops can: nothing else reads the projection's output).
             qk = self.ops.rotary(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), *rope)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * hd :]
         else:
-            q = self.ops.rotary(self.q_proj(x).view(t, h, hd), *rope)
-            k = self.ops.rotary(self.k_proj(x).view(t, kvh, hd), *rope)
-            v = self.v_proj(x)
+            q, k = self.q_proj(x).view(t, h, hd), self.k_proj(x).view(t, kvh, hd)
+            if self.q_norm is not None:
+                q = self.q_norm(q.reshape(t * h, hd)).view(t, h, hd)
+                k = self.k_norm(k.reshape(t * kvh, hd)).view(t, kvh, hd)
+            q, k, v = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope), self.v_proj(x)
         v = v.reshape(t, kvh, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
@@ -144,9 +180,11 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS) -> None:
+    def __init__(
+        self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, head_dim, bias, ops)
+        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm)
         self.mlp = MLP(config, bias["mlp"], ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -167,30 +205,47 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """Token embeddings, decoder layers, final norm and LM head. `forward` takes embeddings so that
     image features can be spliced in before the first layer; it uses them as the residual stream,
-    so they are overwritten."""
+    so they are overwritten. `mrope_streams` and `qk_norm` are the Qwen VL line's (see Rotary,
+    Attention)."""
 
     def __init__(
-        self, config, bias: dict[str, bool], tie_embeddings: bool, ops: TorchOps = TORCH_OPS
+        self,
+        config,
+        bias: dict[str, bool],
+        tie_embeddings: bool,
+        ops: TorchOps = TORCH_OPS,
+        mrope_streams: list[int] | None = None,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, bias, ops) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, head_dim, bias, ops, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.rotary = Rotary(config, head_dim)
+        self.rotary = Rotary(config, head_dim, mrope_streams)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_lm_head = tie_embeddings
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend):
+    def forward(
+        self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):  # fmt: skip
+        """`positions`: `[tokens]`, or `[3, tokens]` with M-RoPE. `deepstack`: (rows, features
+        `[rows, layers, hidden]`), added to the output of the first layers at those rows."""
         x, residual = embeds, None
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, kv_k[i], kv_v[i], meta, backend)
+            if deepstack is not None and i < deepstack[1].shape[1]:
+                rows, feats = deepstack
+                residual.add_(x)  # the layer's whole output, as transformers forms it, then the extra
+                residual[rows] += feats[:, i].to(x.dtype)
+                x, residual = residual, None
         return self.norm(x) if residual is None else self.norm.add_and_norm(residual, x)[1]
 
     def fuse_projections(self) -> None:

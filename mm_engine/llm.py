@@ -38,10 +38,15 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations, through the chat template."""
+        """One conversation (a list of messages) or a list of conversations, through the chat
+        template. `mm_processor_kwargs`: processor options for these requests (e.g. `max_pixels`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        adds = [functools.partial(self.engine.add_chat_request, conv) for conv in convs]
+        adds = [
+            functools.partial(self.engine.add_chat_request, conv, mm_processor_kwargs=mm_processor_kwargs)
+            for conv in convs
+        ]
         return self._run(adds, sampling_params, priority)
 
     def kv_report(self) -> dict[str, dict[str, int]]:

@@ -2,8 +2,10 @@
 
 The batch is flat (varlen): the new tokens of every scheduled request one after the other, prefill
 chunks and decodes together. Images whose tokens fall in this step's chunks are encoded first, in
-one batch, and their features replace the image-token embeddings. Logits are computed only for the
-requests whose chunk reaches their last token, i.e. the ones that sample this step.
+one call (of any sizes: the family's `encode` packs them), and their features replace the
+embeddings of the run positions that carry them; DeepStack features ride along to the first
+layers. Logits are computed only for the requests whose chunk reaches their last token, i.e. the
+ones that sample this step.
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ import torch
 
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
-from mm_engine.model import LlavaModel
+from mm_engine.models.interface import MultimodalModel
 from mm_engine.pools.kv_cache import KVCache
-from mm_engine.request import Request
+from mm_engine.request import ImageSpan, Request
 from mm_engine.vision.encoder_cache import EncoderCache
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: LlavaModel,
+        model: MultimodalModel,
         kv: KVCache,
         backend: AttentionBackend,
         device: torch.device,
@@ -41,42 +43,62 @@ class ModelRunner:
         self._encode_images(items)
         bs = self.block_size
         ids: list[int] = []
-        positions: list[int] = []
+        positions: list[torch.Tensor] = []
         slots: list[int] = []
-        image_pieces: list[tuple[int, torch.Tensor]] = []  # (flat row, features)
+        embed_rows: list[torch.Tensor] = []  # flat rows that take vision embeddings
+        embed_feats: list[torch.Tensor] = []  # and those embeddings, [rows, 1 + deepstack, hidden]
         sample_rows: list[int] = []
         sampling: list[int] = []
         for k, (req, n) in enumerate(items):
             start, end, row0 = req.num_computed_tokens, req.num_computed_tokens + n, len(ids)
             ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
+            positions.append(self._positions(req, start, end))
             table = req.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             for j, span in enumerate(req.images):
                 a, b = max(start, span.offset), min(end, span.offset + span.length)
                 if a < b:
-                    image_pieces.append(
-                        (row0 + a - start, req.image_embeds[j][a - span.offset : b - span.offset])
-                    )
+                    rows, first = _embed_rows(span, a - span.offset, b - span.offset)
+                    feats = req.image_embeds[j][first : first + rows.numel()]
+                    embed_rows.append(rows + (row0 + span.offset - start))
+                    embed_feats.append(feats)
             if end == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(k)
         meta = self._metadata(items, slots)
         lm = self.model.language_model
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if image_pieces:
+        deepstack = None
+        if embed_rows:
+            rows = torch.cat(embed_rows).to(self.device)
+            feats = torch.cat(embed_feats)
             # Image-token ids may lie outside the vocabulary; their embeddings are replaced anyway.
             # (Only prompt positions: a generated image-token id is embedded like any other token.)
-            for row, feats in image_pieces:
-                ids_t[row : row + feats.shape[0]] = 0
-        embeds = lm.embed_tokens(ids_t)
-        for row, feats in image_pieces:
-            embeds[row : row + feats.shape[0]] = feats.to(embeds.dtype)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = lm(embeds, pos_t, self.kv.k, self.kv.v, meta, self.backend)
+            ids_t[rows] = 0
+            embeds = lm.embed_tokens(ids_t)
+            embeds[rows] = feats[:, 0].to(embeds.dtype)
+            if feats.shape[1] > 1:
+                deepstack = (rows, feats[:, 1:])
+        else:
+            embeds = lm.embed_tokens(ids_t)
+        pos_t = torch.cat(positions, dim=-1).to(self.device)
+        hidden = lm(embeds, pos_t, self.kv.k, self.kv.v, meta, self.backend, deepstack)
         logits = lm.logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
         self._drop_used_images(items)
         return logits, sampling
+
+    def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of tokens `[start, end)`: `[n]`, or `[3, n]` for an M-RoPE model, whose
+        prompt positions were computed when the request was added; later tokens (decode, or the
+        output recomputed after preemption) continue at `i + delta` on every axis."""
+        if not self.model.uses_mrope:
+            return torch.arange(start, end)
+        stored = req.mrope_positions
+        cut = start if stored is None else min(end, max(start, stored.shape[1]))
+        tail = torch.arange(cut, end) + req.mrope_delta
+        if stored is None or cut == start:
+            return tail.expand(3, -1)
+        return torch.cat([stored[:, start:cut], tail.expand(3, -1)], dim=1)
 
     def _metadata(self, items: list[tuple[Request, int]], slots: list[int]) -> AttentionMetadata:
         q_lens = [n for _, n in items]
@@ -113,8 +135,7 @@ class ModelRunner:
         if not todo:
             return
         firsts = [users[0] for users in todo.values()]
-        pixels = torch.stack([req.images[j].pixel_values for req, j in firsts]).to(self.device)
-        feats = self.model.encode_images(pixels)
+        feats = self.model.encode([req.images[j] for req, j in firsts])
         for (key, users), f in zip(todo.items(), feats, strict=True):
             self.encoder_cache.put(key, f)
             for req, j in users:
@@ -128,3 +149,13 @@ class ModelRunner:
             done = req.num_computed_tokens + n
             for j in [j for j in req.image_embeds if req.images[j].offset + req.images[j].length <= done]:
                 del req.image_embeds[j]
+
+
+def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:
+    """Run positions in `[a, b)` of an image that carry embeddings (relative to the run's start),
+    and the index of the first of them among the image's embeddings."""
+    if span.embed_mask is None:
+        return torch.arange(a, b), a
+    mask = torch.tensor(span.embed_mask[:b], dtype=torch.bool)
+    first = int(mask[:a].sum())
+    return torch.nonzero(mask[a:b]).flatten() + a, first

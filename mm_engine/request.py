@@ -21,9 +21,21 @@ class ImageSpan:
     """One image of a prompt: where its tokens sit and what to encode."""
 
     offset: int  # position of its first token in the prompt
-    length: int  # number of image tokens
-    pixel_values: torch.Tensor  # [3, H, W], float32, preprocessed
+    length: int  # tokens of its placeholder run (row/column/break tokens included)
+    pixel_values: torch.Tensor  # preprocessed, in whatever shape the family's tower takes
     content_hash: str
+    embed_mask: tuple[bool, ...] | None = None  # which run positions carry embeddings; None: all
+    num_embeds: int = -1  # embeddings the tower produces (-1: one per run position)
+    grid: tuple[int, ...] | None = None  # the family's patch grid, where it has one (Qwen: t, h, w)
+    pixel_mask: torch.Tensor | None = None  # which pixels are real, where the processor pads
+
+    def __post_init__(self) -> None:
+        if self.num_embeds < 0:
+            self.num_embeds = self.length if self.embed_mask is None else sum(self.embed_mask)
+
+    def is_embed(self, i: int) -> bool:
+        """Does run position `i` carry a vision embedding?"""
+        return self.embed_mask is None or self.embed_mask[i]
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +60,10 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> features
+    # Multimodal rotary positions of the prompt ([3, prompt tokens], Qwen line), set once when the
+    # request is added; token i >= the prompt sits at i + mrope_delta on all three axes.
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -2,8 +2,9 @@
 blocks of identical prefixes.
 
 Block `i` of a sequence holds token positions `[i * block_size, (i + 1) * block_size)`. It comes
-from the image pool when every one of those positions is an image token of the prompt, and from the
-text pool otherwise (text, generated tokens, or a mix).
+from the image pool when every one of those positions carries a vision embedding (row, column and
+break tokens around an image's tiles do not), and from the text pool otherwise (text, generated
+tokens, or a mix).
 
 Every full block gets a content hash: SHA-256 over the parent block's hash, its token ids and, for
 the image tokens in it, the image's content hash and the offset into the image. Two different
@@ -45,7 +46,8 @@ class BlockManager:
             return [False] * (req.num_prompt_tokens // bs)
         is_image = [False] * req.num_prompt_tokens
         for span in req.images:
-            is_image[span.offset : span.offset + span.length] = [True] * span.length
+            mask = span.embed_mask or (True,) * span.length
+            is_image[span.offset : span.offset + span.length] = mask
         return [all(is_image[i * bs : (i + 1) * bs]) for i in range(req.num_prompt_tokens // bs)]
 
     def _flags_for(self, req: Any) -> list[bool]:

@@ -63,6 +63,43 @@ def ref_siglip_qwen2(siglip_qwen2) -> Reference:
     return Reference(siglip_qwen2)
 
 
+class FamilyReference:
+    """transformers' `generate` for any family (AutoModelForImageTextToText), greedy, one request
+    at a time, inputs from the checkpoint's own processor."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.path = path
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+    def inputs(self, prompt: str, images: list | None, **kwargs):
+        return self.processor(text=prompt, images=images or None, return_tensors="pt", **kwargs)
+
+    @torch.inference_mode()
+    def generate(self, prompt: str, images: list | None, max_new_tokens: int, **kwargs) -> list[int]:
+        inputs = self.inputs(prompt, images, **kwargs)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="session")
+def qwen_family(tmp_path_factory):
+    """Builds (once per session) a tiny checkpoint of each Qwen VL version and its reference."""
+    from mm_engine.testing_qwen import build_qwen_checkpoint
+
+    built: dict[str, tuple[str, FamilyReference]] = {}
+
+    def get(version: str) -> tuple[str, FamilyReference]:
+        if version not in built:
+            path = str(build_qwen_checkpoint(tmp_path_factory.mktemp(version), version))
+            built[version] = (path, FamilyReference(path))
+        return built[version]
+
+    return get
+
+
 def _variant_params():
     from mm_engine.kernels import cpu_build
 

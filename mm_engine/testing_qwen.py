@@ -1,0 +1,149 @@
+"""Small random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints laid out as the published ones are
+(config, safetensors, tokenizer, processor with its image and video processors, chat template),
+for tests and benchmarks. Nothing is downloaded; random weights generate arbitrary tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from mm_engine.testing import WORDS
+
+QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def build_qwen_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", *QWEN_SPECIAL])
+    tok.train_from_iterator([" ".join(WORDS)] * 4 + ["user assistant system"], trainer=trainer)
+    if vocab_size is not None and vocab_size > tok.get_vocab_size():
+        tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL})
+    return fast
+
+
+def build_qwen_checkpoint(
+    path: str | Path,
+    version: str = "qwen2_vl",
+    patch_size: int = 8,
+    min_pixels: int = 16 * 16 * 2,
+    max_pixels: int = 16 * 16 * 48,
+    seed: int = 0,
+    text_dims: dict | None = None,
+    vision_dims: dict | None = None,
+    vocab_size: int | None = None,
+    weight_scale: float = 4.0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """A random checkpoint of one of `VERSIONS`; tiny by default (head size 32, GQA 4:2, two
+    layers, an 8-pixel patch, images of 2 to 48 merged tokens)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    path = Path(path)
+    tokenizer = build_qwen_tokenizer(vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    head_dim = 32
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
+    )
+    text.update(text_dims or {})
+    head_dim = text.get("head_dim", text["hidden_size"] // text["num_attention_heads"])
+    half = head_dim // 2
+    section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]  # 16 -> [4, 6, 6]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    merge = 2
+    vision = dict(patch_size=patch_size, spatial_merge_size=merge, temporal_patch_size=2)
+    if version == "qwen2_vl":
+        vision.update(depth=2, embed_dim=64, hidden_size=text["hidden_size"], num_heads=2)
+    elif version == "qwen2_5_vl":
+        # Windows of 2x2 merged tokens, the middle layer attending to the whole image.
+        vision.update(
+            depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+            window_size=patch_size * merge * 2, fullatt_block_indexes=[1],
+        )  # fmt: skip
+    else:
+        rope.update(
+            mrope_interleaved=True,
+            mrope_section=[half - 2 * (5 * half // 16), 5 * half // 16, 5 * half // 16],
+        )
+        text.update(head_dim=head_dim)
+        vision.update(
+            depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+        )  # fmt: skip
+    vision.update(vision_dims or {})
+    text["rope_parameters"] = rope
+    cfg = AutoConfig.for_model(
+        version,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=version != "qwen3_vl",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg).eval()
+    with torch.no_grad():  # random init is near zero: scale up so greedy ties are unlikely
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(weight_scale)
+    model.to(dtype).save_pretrained(path)
+    _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max_pixels)
+    return path
+
+
+def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max_pixels) -> None:
+    from transformers import Qwen2VLImageProcessor
+
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image = Qwen2VLImageProcessor(patch_size=patch_size, merge_size=merge, temporal_patch_size=2, size=size)
+    if version == "qwen3_vl":
+        from transformers import Qwen3VLProcessor as Processor
+        from transformers import Qwen3VLVideoProcessor as Video
+    else:
+        from transformers import Qwen2VLProcessor as Processor
+        from transformers import Qwen2VLVideoProcessor as Video
+    if version == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor as Processor
+    video = Video(patch_size=patch_size, merge_size=merge, temporal_patch_size=2)
+    Processor(
+        image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=QWEN_CHAT_TEMPLATE
+    ).save_pretrained(path)

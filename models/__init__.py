@@ -1,0 +1,75 @@
+"""Model families behind one interface (interface.py): which architectures the engine loads, and
+for each its processing and its model. Everything family-specific lives in its file here."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mm_engine.models.interface import MultimodalModel, Processing
+from mm_engine.platform import Platform
+
+# architecture -> (module, model class, processing class)
+FAMILIES: dict[str, tuple[str, str, str]] = {
+    "LlavaForConditionalGeneration": ("llava", "LlavaModel", "LlavaProcessing"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLModel", "QwenProcessing"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLModel", "QwenProcessing"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLModel", "QwenProcessing"),
+}
+# The config's model_type for each, when a config names no architecture.
+MODEL_TYPES = {
+    "llava": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+
+def architecture(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else MODEL_TYPES.get(config.model_type, config.model_type)
+    if arch not in FAMILIES or MODEL_TYPES.get(config.model_type) != arch:
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _family(config):
+    module, model_cls, processing_cls = FAMILIES[architecture(config)]
+    mod = importlib.import_module(f"mm_engine.models.{module}")
+    return mod, getattr(mod, model_cls), getattr(mod, processing_cls)
+
+
+def check_config(config) -> None:
+    """Refuse a config this engine cannot serve, naming what is not supported."""
+    mod, _, _ = _family(config)
+    mod.check_config(config)
+
+
+def load_model(
+    path: Path,
+    config,
+    dtype: torch.dtype,
+    vision_dtype: torch.dtype,
+    device: torch.device,
+    platform: Platform,
+    pack_weights: bool = False,
+) -> MultimodalModel:
+    """The family's model on `platform`: its language model on the engine's paged layers and the
+    platform's ops, its vision tower in `vision_dtype`. `pack_weights`: on CPU, linears run with
+    weights packed at load time (`mm_engine.packed_linear`)."""
+    _, model_cls, _ = _family(config)
+    return model_cls.from_checkpoint(path, config, dtype, vision_dtype, device, platform, pack_weights)
+
+
+def make_processing(path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> Processing:
+    """The family's image processing from the checkpoint's processor settings, with the server's
+    `mm_processor_kwargs` on top."""
+    _, _, processing_cls = _family(config)
+    return processing_cls(path, tokenizer, config, kwargs)

@@ -1,0 +1,77 @@
+"""What every model family hands the rest of the engine, so that the scheduler, pools, kernels and
+API stay family-blind.
+
+A family has two halves:
+- a `Processing` (CPU, no weights): per image, the pixel tensors its tower takes, the run of
+  placeholder tokens the image takes in the prompt, which of those carry vision embeddings, and a
+  content hash that also covers the processing settings;
+- a `MultimodalModel` (weights): encode a list of images of any sizes into per-image embeddings,
+  compute a request's rotary positions once when it is added, and run the language model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+
+from mm_engine.layers import DecoderLM
+from mm_engine.request import ImageSpan
+
+
+@dataclass(slots=True)
+class ProcessedImage:
+    pixel_values: torch.Tensor  # any shape the family's tower takes
+    tokens: list[int]  # the run of token ids that replaces the image's one placeholder
+    embed_mask: tuple[bool, ...] | None  # which of `tokens` carry embeddings; None: all of them
+    num_embeds: int  # vision embeddings the tower produces for it
+    content_hash: str  # pixels and processing settings
+    grid: tuple[int, ...] | None = None  # the family's patch grid (Qwen: t, h, w), if it has one
+    pixel_mask: torch.Tensor | None = None  # which pixels are real, where the processor pads
+
+
+class Processing:
+    """Turns one decoded image into a `ProcessedImage`. `overrides` are per-request processor
+    options (`mm_processor_kwargs`) on top of the server's."""
+
+    image_token: str  # the placeholder a prompt writes once per image
+    image_token_id: int
+    fixed_tokens: int | None = None  # every image takes this many tokens (None: it depends on the image)
+
+    def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class Positions:
+    """Multimodal rotary positions of a prompt, `[3, prompt tokens]`, and the offset that every
+    later token (decode, or recompute after preemption) continues from: position `i + delta`."""
+
+    prompt: torch.Tensor
+    delta: int
+
+
+class MultimodalModel(nn.Module):
+    """A vision tower plus connector (family-specific) and the engine's paged `DecoderLM`."""
+
+    language_model: DecoderLM
+    image_token_id: int
+    uses_mrope: bool = False  # positions are [3, tokens] (Qwen) rather than [tokens]
+    num_deepstack: int = 0  # extra per-layer features each image token adds (Qwen3-VL)
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        """Images of any sizes in one call -> per image `[num_embeds, 1 + num_deepstack, hidden]`:
+        the embeddings that replace its placeholder tokens, then the DeepStack features (if any)."""
+        raise NotImplementedError
+
+    def positions(self, token_ids: list[int], images: list[ImageSpan]) -> Positions | None:
+        """Called once when a request is added; None: plain 1-D positions."""
+        return None

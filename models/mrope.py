@@ -1,0 +1,34 @@
+"""Multimodal rotary positions (M-RoPE) of the Qwen VL line, computed once per request.
+
+Text tokens advance all three axes (temporal, height, width) together. An image's tokens, on its
+merged grid `t x h x w`, sit at `start + (ti, hi, wi)`; the text after it continues from `start +
+max(h, w)`. Any later token `i` (decode, or output recomputed after preemption) is at `i + delta`
+on every axis, where `delta` is the prompt's largest position + 1 minus its length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mm_engine.models.interface import Positions
+from mm_engine.request import ImageSpan
+
+
+def mrope_positions(num_tokens: int, images: list[ImageSpan], merge: int) -> Positions:
+    pieces: list[torch.Tensor] = []
+    pos = done = 0  # next position, and prompt tokens placed so far
+    for span in images:
+        text = span.offset - done
+        pieces.append(torch.arange(pos, pos + text).expand(3, -1))
+        pos += text
+        t, h, w = span.grid[0], span.grid[1] // merge, span.grid[2] // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        grid = grid.reshape(3, -1) + pos
+        if grid.shape[1] != span.length:
+            raise ValueError(f"an image grid of {grid.shape[1]} tokens does not match its {span.length}")
+        pieces.append(grid)
+        pos += max(h, w)
+        done = span.offset + span.length
+    pieces.append(torch.arange(pos, pos + num_tokens - done).expand(3, -1))
+    prompt = torch.cat(pieces, dim=1).contiguous()
+    return Positions(prompt, int(prompt.max()) + 1 - num_tokens)

@@ -1,0 +1,173 @@
+"""Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`).
+
+An image is resized within the processor's min/max pixels to a multiple of patch x merge size,
+cut into patches (each frame twice along time: `temporal_patch_size` 2), encoded by a ViT over
+all images of a step packed into one sequence (attention stays inside each image; Qwen2.5's tower
+also inside windows, except in its full-attention layers), and every 2x2 patches merge into one
+token. The prompt's `<|image_pad|>` becomes one pad per merged token, all of them embeddings; the
+language model is Qwen2's, with M-RoPE positions (mrope.py).
+
+Towers are transformers' own modules; the language model runs on the engine's paged layers.
+Checkpoints come as `model.*` + `visual.*` + `lm_head.*` (as published) or `model.language_model.*`
++ `model.visual.*` (as transformers 5 lays the modules out); both load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mm_engine.layers import mrope_streams
+from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
+from mm_engine.models.mrope import mrope_positions
+from mm_engine.models.weights import build_language_model, load_strict, read_weights, split_by_prefix
+from mm_engine.platform import Platform, adapt_vision_tower, pack_model_linears
+from mm_engine.request import ImageSpan
+from mm_engine.vision.image_io import image_content_hash
+
+# Processor options a request or server may set (`mm_processor_kwargs`), as vLLM spells them.
+PIXEL_OPTIONS = ("min_pixels", "max_pixels")
+
+
+def check_config(config) -> None:
+    text = config.text_config
+    if getattr(text, "use_sliding_window", False):
+        raise ValueError("sliding-window attention in the language model is not supported")
+    section = (text.rope_parameters or {}).get("mrope_section")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if not section or sum(section) != head_dim // 2:
+        raise ValueError(f"rope_parameters.mrope_section {section} must cover head_dim / 2 = {head_dim // 2}")
+
+
+def vision_tower_class(model_type: str):
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return Qwen3VLVisionModel
+
+
+class QwenProcessing(Processing):
+    """The checkpoint's own Qwen image processor (transformers'), one image per call; options
+    `min_pixels` / `max_pixels` from the server, then from the request."""
+
+    def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
+        from transformers import AutoImageProcessor
+
+        self.hf = AutoImageProcessor.from_pretrained(path)
+        self.merge = self.hf.merge_size
+        self.image_token_id = config.image_token_id
+        self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.size = self._size({}, kwargs)
+        settings = self.hf.to_dict()
+        self._salt = json.dumps(settings, sort_keys=True, default=str)
+
+    def _size(self, base: dict, options: Mapping[str, Any] | None) -> dict:
+        """The processor's `size` (shortest_edge = min pixels, longest_edge = max pixels)."""
+        size = dict(base) or {
+            "shortest_edge": self.hf.size.shortest_edge,
+            "longest_edge": self.hf.size.longest_edge,
+        }
+        for key, value in (options or {}).items():
+            if key not in PIXEL_OPTIONS:
+                raise ValueError(
+                    f"unknown mm_processor_kwargs option {key!r}; supported: {', '.join(PIXEL_OPTIONS)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mm_processor_kwargs {key} must be a positive integer, got {value!r}")
+            size["shortest_edge" if key == "min_pixels" else "longest_edge"] = value
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise ValueError(
+                f"min_pixels ({size['shortest_edge']}) is larger than max_pixels ({size['longest_edge']})"
+            )
+        return size
+
+    def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+        size = self._size(self.size, overrides)
+        out = self.hf(images=[image], size=size, return_tensors="pt")
+        grid = tuple(int(g) for g in out["image_grid_thw"][0])
+        n = grid[0] * grid[1] * grid[2] // self.merge**2
+        salt = f"{self._salt}|{size['shortest_edge']}:{size['longest_edge']}".encode()
+        return ProcessedImage(
+            out["pixel_values"], [self.image_token_id] * n, None, n, image_content_hash(image, salt), grid
+        )
+
+
+def _route(key: str) -> tuple[str, str] | None:
+    k = key.removeprefix("model.")
+    if k.startswith("visual."):
+        return "vision", k.removeprefix("visual.")
+    if k.startswith("lm_head."):
+        return "lm", k
+    k = k.removeprefix("language_model.")
+    if k.split(".")[0] in ("embed_tokens", "layers", "norm"):
+        return "lm", k
+    return None
+
+
+class Qwen2VLModel(MultimodalModel):
+    uses_mrope = True
+    interleaved_mrope = False
+    qk_norm = False
+    family = "Qwen2-VL"
+
+    def __init__(self, config, visual: torch.nn.Module, language_model) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = visual
+        self.language_model = language_model
+        self.image_token_id = config.image_token_id
+        self.merge = config.vision_config.spatial_merge_size
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return next(self.visual.parameters()).dtype
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        device = self.language_model.embed_tokens.weight.device
+        pixels = torch.cat([span.pixel_values for span in images]).to(device, self.vision_dtype)
+        grid = torch.tensor([span.grid for span in images], dtype=torch.long, device=device)
+        out = self.visual(pixels, grid_thw=grid)
+        feats = torch.stack([out.pooler_output, *self._extras(out)], dim=1)
+        feats = feats.to(self.language_model.embed_tokens.weight.dtype)
+        return list(feats.split([span.num_embeds for span in images]))
+
+    def _extras(self, out) -> list[torch.Tensor]:
+        return []
+
+    def positions(self, token_ids: list[int], images: list[ImageSpan]) -> Positions | None:
+        return mrope_positions(len(token_ids), images, self.merge)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
+        platform: Platform, pack_weights: bool,
+    ) -> MultimodalModel:  # fmt: skip
+        parts = split_by_prefix(read_weights(path), _route, cls.family)
+        text = config.text_config
+        streams = mrope_streams(text.rope_parameters["mrope_section"], cls.interleaved_mrope)
+        lm = build_language_model(
+            parts.get("lm", {}), text, dtype, device, platform.ops, streams, cls.qk_norm
+        )
+        tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
+        tower = tower.to(device=device, dtype=vision_dtype)
+        load_strict(tower, parts.get("vision", {}), "vision tower")
+        model = cls(config, tower, lm).eval().requires_grad_(False)
+        adapt_vision_tower(model.visual, platform)
+        if pack_weights:
+            pack_model_linears(model, model.language_model, platform)
+        return model

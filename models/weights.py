@@ -1,0 +1,80 @@
+"""Reading a checkpoint's safetensors and loading them into modules, shared by every family."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from mm_engine.kernels.ops import TorchOps
+from mm_engine.layers import DecoderLM
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in the model folder {path.name!r}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def split_by_prefix(
+    state: dict[str, torch.Tensor], route: Callable[[str], tuple[str, str] | None], family: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    """`route(key)` names the part a weight belongs to and its key inside that part."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        routed = route(key)
+        if routed is None:
+            raise ValueError(f"unexpected weight {key!r} in a {family} checkpoint")
+        part, name = routed
+        parts.setdefault(part, {})[name] = tensor
+    return parts
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_strict(module: nn.Module, state: dict, what: str) -> None:
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    # Buffers computed at init and a tied LM head are not stored in checkpoints.
+    tied = getattr(module, "tied_lm_head", False)
+    missing = [k for k in missing if not k.endswith("inv_freq") and not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{what} weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+
+
+def build_language_model(
+    lm_state: dict[str, torch.Tensor],
+    text_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: TorchOps,
+    mrope_streams: list[int] | None = None,
+    qk_norm: bool = False,
+) -> DecoderLM:
+    """The engine's paged decoder with the checkpoint's weights; biases and a tied head are read
+    from the checkpoint itself."""
+    bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
+    tie = "lm_head.weight" not in lm_state
+    with torch.device(device), default_dtype(dtype):
+        lm = DecoderLM(text_config, bias, tie, ops, mrope_streams, qk_norm)
+    load_strict(lm, lm_state, "language model")
+    lm.fuse_projections()
+    return lm
