@@ -105,6 +105,35 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     return fast
 
 
+def word_tokenizer(
+    special: list[str], extra_words: str, vocab_size: int | None = None, **tokens
+) -> PreTrainedTokenizerFast:
+    """Word level over WORDS and `extra_words`, with `special` as special tokens (after `<unk>`)
+    and `vocab_size` filled with `w<N>` words; `tokens` names the eos/pad/... ones."""
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", *special])
+    tok.train_from_iterator([" ".join(WORDS)] * 4 + [extra_words], trainer=trainer)
+    if vocab_size is not None and vocab_size > tok.get_vocab_size():
+        tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **tokens)
+    fast.add_special_tokens({"additional_special_tokens": special})
+    return fast
+
+
+def save_random_model(cfg, path: Path, seed: int, weight_scale: float, dtype: torch.dtype) -> None:
+    """transformers' model for `cfg` with random weights, saved as a checkpoint."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg).eval()
+    with torch.no_grad():  # random init is near zero: scale up so greedy ties are unlikely
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(weight_scale)
+    model.to(dtype).save_pretrained(path)
+
+
 def build_checkpoint(
     path: str | Path,
     vision: str = "clip",

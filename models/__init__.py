@@ -19,6 +19,9 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLModel", "QwenProcessing"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLModel", "QwenProcessing"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLModel", "QwenProcessing"),
+    "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3Model", "Idefics3Processing"),
+    "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3Model", "Idefics3Processing"),
+    "InternVLForConditionalGeneration": ("internvl", "InternVLModel", "InternVLProcessing"),
 }
 # The config's model_type for each, when a config names no architecture.
 MODEL_TYPES = {
@@ -26,6 +29,9 @@ MODEL_TYPES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

@@ -23,9 +23,9 @@ from transformers.activations import ACT2FN
 
 from mm_engine.layers import DecoderLM
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
-from mm_engine.models.weights import build_language_model, default_dtype, load_strict, read_weights
+from mm_engine.models.weights import build_language_model, default_dtype, load_strict, read_weights, ready
 from mm_engine.packed_linear import PackedLinear
-from mm_engine.platform import Platform, adapt_vision_tower, pack_model_linears
+from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 from mm_engine.vision.preprocess import ImagePreprocessor, load_image_processor_config
@@ -146,11 +146,7 @@ class LlavaModel(MultimodalModel):
         with torch.device(device), default_dtype(dtype):
             model = cls(config, tower, lm, projector_bias="linear_1.bias" in projector_state)
         load_strict(model.multi_modal_projector, projector_state, "projector")
-        model = model.eval().requires_grad_(False)
-        adapt_vision_tower(model.vision_tower, platform)
-        if pack_weights:
-            pack_model_linears(model, model.language_model, platform)
-        return model
+        return ready(model, model.vision_tower, platform, pack_weights)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:

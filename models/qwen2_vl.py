@@ -25,8 +25,15 @@ from PIL import Image
 from mm_engine.layers import mrope_streams
 from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
 from mm_engine.models.mrope import mrope_positions
-from mm_engine.models.weights import build_language_model, load_strict, read_weights, split_by_prefix
-from mm_engine.platform import Platform, adapt_vision_tower, pack_model_linears
+from mm_engine.models.weights import (
+    build_language_model,
+    load_strict,
+    positive_option,
+    read_weights,
+    ready,
+    split_by_prefix,
+)
+from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
@@ -86,8 +93,7 @@ class QwenProcessing(Processing):
                 raise ValueError(
                     f"unknown mm_processor_kwargs option {key!r}; supported: {', '.join(PIXEL_OPTIONS)}"
                 )
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mm_processor_kwargs {key} must be a positive integer, got {value!r}")
+            value = positive_option(key, value)
             size["shortest_edge" if key == "min_pixels" else "longest_edge"] = value
         if size["shortest_edge"] > size["longest_edge"]:
             raise ValueError(
@@ -166,8 +172,5 @@ class Qwen2VLModel(MultimodalModel):
         tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
         tower = tower.to(device=device, dtype=vision_dtype)
         load_strict(tower, parts.get("vision", {}), "vision tower")
-        model = cls(config, tower, lm).eval().requires_grad_(False)
-        adapt_vision_tower(model.visual, platform)
-        if pack_weights:
-            pack_model_linears(model, model.language_model, platform)
-        return model
+        model = cls(config, tower, lm)
+        return ready(model, model.visual, platform, pack_weights)

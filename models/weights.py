@@ -12,6 +12,7 @@ from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.layers import DecoderLM
+from mm_engine.platform import Platform, adapt_vision_tower, pack_model_linears
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -78,3 +79,20 @@ def build_language_model(
     load_strict(lm, lm_state, "language model")
     lm.fuse_projections()
     return lm
+
+
+def ready(model, tower: nn.Module, platform: Platform, pack_weights: bool):
+    """Inference mode, the tower's attention and GELU on the platform's ops, and (CPU) linears
+    with packed weights: the last step of every family's loading."""
+    model = model.eval().requires_grad_(False)
+    adapt_vision_tower(tower, platform)
+    if pack_weights:
+        pack_model_linears(model, model.language_model, platform)
+    return model
+
+
+def positive_option(key: str, value) -> int:
+    """A processor option (`mm_processor_kwargs`) that must be a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"mm_processor_kwargs {key} must be a positive integer, got {value!r}")
+    return value

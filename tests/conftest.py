@@ -84,18 +84,31 @@ class FamilyReference:
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-@pytest.fixture(scope="session")
-def qwen_family(tmp_path_factory):
-    """Builds (once per session) a tiny checkpoint of each Qwen VL version and its reference."""
-    from mm_engine.testing_qwen import build_qwen_checkpoint
+def _build_family(name: str, path):
+    if name.startswith("qwen"):
+        from mm_engine.testing_qwen import build_qwen_checkpoint
 
+        return build_qwen_checkpoint(path, name)
+    if name in ("idefics3", "smolvlm"):
+        from mm_engine.testing_idefics import build_idefics_checkpoint
+
+        return build_idefics_checkpoint(path, name, seed=1 if name == "smolvlm" else 0)
+    from mm_engine.testing_internvl import build_internvl_checkpoint
+
+    return build_internvl_checkpoint(path)
+
+
+@pytest.fixture(scope="session")
+def vl_family(tmp_path_factory):
+    """`vl_family(name)`: a tiny checkpoint of that family (qwen2_vl, qwen2_5_vl, qwen3_vl,
+    idefics3, smolvlm, internvl), built once per session, and its transformers reference."""
     built: dict[str, tuple[str, FamilyReference]] = {}
 
-    def get(version: str) -> tuple[str, FamilyReference]:
-        if version not in built:
-            path = str(build_qwen_checkpoint(tmp_path_factory.mktemp(version), version))
-            built[version] = (path, FamilyReference(path))
-        return built[version]
+    def get(name: str) -> tuple[str, FamilyReference]:
+        if name not in built:
+            path = str(_build_family(name, tmp_path_factory.mktemp(name)))
+            built[name] = (path, FamilyReference(path))
+        return built[name]
 
     return get
 

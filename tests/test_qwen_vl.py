@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TEST_DEVICE, make_image
-
-from mm_engine import LLM, SamplingParams
+from conftest import make_image
+from vl_helpers import assert_all_free, engine, greedy, mm
 
 VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 IMG = "<|vision_start|><|image_pad|><|vision_end|> "
@@ -16,14 +15,6 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|> "
 
 def prompt(question: str, n_images: int = 0) -> str:
     return f"<|im_start|>user {IMG * n_images}{question}<|im_end|> <|im_start|>assistant "
-
-
-def mm(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n)
 
 
 # (prompt, images, max tokens): one image, two of different sizes (one of 48 tokens, more than a
@@ -37,22 +28,8 @@ BATCH = [
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
-def family(request, qwen_family):
-    return qwen_family(request.param)
-
-
-def _engine(path: str, backend: str = "auto", **kwargs) -> LLM:
-    args = dict(kv_cache_memory_bytes=8 * 1024**2, block_size=8, max_num_batched_tokens=16)
-    if backend == "triton":
-        args.update(device=TEST_DEVICE.type, dtype="float32", vision_dtype="float32")
-    return LLM(path, attention_backend=backend, **{**args, **kwargs})
-
-
-def _assert_all_free(llm: LLM) -> None:
-    report = llm.kv_report()
-    for pool in ("text", "image"):
-        assert report[pool]["used_blocks"] == 0
-        assert report[pool]["free_blocks"] + report[pool]["cached_blocks"] == report[pool]["total_blocks"]
+def family(request, vl_family):
+    return vl_family(request.param)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -60,18 +37,18 @@ def test_mixed_batch_matches_transformers(family, backend, monkeypatch):
     if backend == "triton":
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     path, ref = family
-    llm = _engine(path, backend)
+    llm = engine(path, backend)
     assert llm.engine.runner.backend.name == backend
     outs = llm.generate([mm(p, imgs) for p, imgs, _ in BATCH], [greedy(n) for *_, n in BATCH])
     for out, (text, imgs, n) in zip(outs, BATCH, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
         assert out.prompt_token_ids == ref.inputs(text, imgs)["input_ids"][0].tolist()
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_an_image_longer_than_the_step_budget_is_split_across_chunks(family):
     path, ref = family
-    llm = _engine(path, "torch")
+    llm = engine(path, "torch")
     _, ids, spans = llm.engine.inputs.process(mm(BATCH[1][0], BATCH[1][1]))
     assert max(s.length for s in spans) > 16  # the budget: the image's tokens span several steps
     assert spans[0].length != spans[1].length
@@ -82,13 +59,13 @@ SIZES = [(70, 45), (13, 200), (300, 17), (16, 16), (9, 9), (257, 129), (64, 64)]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_processing_equals_the_hf_processor(qwen_family, mode):
+def test_processing_equals_the_hf_processor(vl_family, mode):
     from transformers import AutoConfig, AutoTokenizer
 
     from mm_engine import models
     from mm_engine.inputs import InputProcessor
 
-    path, ref = qwen_family("qwen2_5_vl")
+    path, ref = vl_family("qwen2_5_vl")
     tok = AutoTokenizer.from_pretrained(path)
     inputs = InputProcessor(tok, models.make_processing(path, tok, AutoConfig.from_pretrained(path)), None)
     images = [make_image(20 + i, size).convert(mode) for i, size in enumerate(SIZES)]
@@ -104,7 +81,7 @@ def test_processing_equals_the_hf_processor(qwen_family, mode):
 
 def test_mrope_positions_equal_transformers(family):
     path, ref = family
-    llm = _engine(path, "torch")
+    llm = engine(path, "torch")
     for text, imgs, _ in BATCH:
         if not imgs:
             continue
@@ -122,18 +99,18 @@ def test_preemption_recomputes_with_the_same_positions(family):
     path, ref = family
     # 24 blocks of 8 tokens: the batch does not fit at once, so requests are preempted and their
     # prompts and outputs recomputed (decode positions continue from the stored offset).
-    llm = _engine(path, "torch", kv_cache_memory_bytes=24 * 8192, image_pool_fraction=0.3)
+    llm = engine(path, "torch", kv_cache_memory_bytes=24 * 8192, image_pool_fraction=0.3)
     batch = BATCH * 2
     outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch], [greedy(n + 6) for *_, n in batch])
     assert llm.engine.scheduler.num_preemptions > 0
     for out, (text, imgs, n) in zip(outs, batch, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n + 6), text
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_repeated_image_reuses_prefix_and_is_encoded_once(family):
     path, ref = family
-    llm = _engine(path, "torch")
+    llm = engine(path, "torch")
     img = make_image(9, (100, 60))
     first = [(prompt("what is this", 1), [img]), (prompt("what color is the circle", 1), [img])]
     outs = llm.generate([mm(p, i) for p, i in first], greedy(6))
@@ -146,7 +123,7 @@ def test_repeated_image_reuses_prefix_and_is_encoded_once(family):
     out = llm.generate(mm(late, [img]), greedy(6))[0]
     assert out.outputs[0].token_ids == ref.generate(late, [img], 6)
     assert llm.engine.runner.num_encoded_images == 1
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_chat_goes_through_the_checkpoint_template(family):
@@ -156,7 +133,7 @@ def test_chat_goes_through_the_checkpoint_template(family):
     img = make_image(7, (50, 40))
     url = data_url(image_bytes(7, size=(50, 40)))
     parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this"}]
-    out = _engine(path).chat([{"role": "user", "content": parts}], greedy(8))[0]
+    out = engine(path).chat([{"role": "user", "content": parts}], greedy(8))[0]
     text = ref.processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]}],
         add_generation_prompt=True,
@@ -166,19 +143,19 @@ def test_chat_goes_through_the_checkpoint_template(family):
     assert out.outputs[0].token_ids == ref.generate(text, [img], 8)
 
 
-def test_mm_processor_kwargs_per_server_and_per_request(qwen_family):
-    path, ref = qwen_family("qwen2_vl")
+def test_mm_processor_kwargs_per_server_and_per_request(vl_family):
+    path, ref = vl_family("qwen2_vl")
     img = make_image(11, (120, 100))
     text = prompt("what is this", 1)
     small = {"max_pixels": 16 * 16 * 8}
     hf_small = {"size": {"shortest_edge": 16 * 16 * 2, "longest_edge": 16 * 16 * 8}}
-    server = _engine(path, mm_processor_kwargs=small)
+    server = engine(path, mm_processor_kwargs=small)
     out = server.generate(mm(text, [img]), greedy(8))[0]
     want_ids = ref.inputs(text, [img], **hf_small)["input_ids"][0].tolist()
     assert out.prompt_token_ids == want_ids
     assert out.outputs[0].token_ids == ref.generate(text, [img], 8, **hf_small)
     # Per request, over the server's default; and the two settings never share cached features.
-    llm = _engine(path)
+    llm = engine(path)
     full = llm.generate(mm(text, [img]), greedy(8))[0]
     per_request = llm.generate({**mm(text, [img]), "mm_processor_kwargs": small}, greedy(8))[0]
     assert per_request.prompt_token_ids == want_ids
@@ -187,11 +164,11 @@ def test_mm_processor_kwargs_per_server_and_per_request(qwen_family):
     with pytest.raises(ValueError, match="unknown mm_processor_kwargs option 'do_resize'"):
         llm.generate({**mm(text, [img]), "mm_processor_kwargs": {"do_resize": False}}, greedy(2))
     with pytest.raises(ValueError, match="min_pixels .* larger than max_pixels"):
-        _engine(path, mm_processor_kwargs={"min_pixels": 4096, "max_pixels": 1024})
+        engine(path, mm_processor_kwargs={"min_pixels": 4096, "max_pixels": 1024})
 
 
-def test_image_limits_are_refused_before_anything_is_allocated(qwen_family):
-    path, _ = qwen_family("qwen2_vl")
+def test_image_limits_are_refused_before_anything_is_allocated(vl_family):
+    path, _ = vl_family("qwen2_vl")
     img = make_image(12, (120, 100))  # 48 tokens at the checkpoint's max_pixels
     text = prompt("what is this", 1)
     cases = [
@@ -201,15 +178,15 @@ def test_image_limits_are_refused_before_anything_is_allocated(qwen_family):
         (dict(max_num_encoder_tokens=10), "encoder budget"),
     ]
     for args, match in cases:
-        llm = _engine(path, **args)
+        llm = engine(path, **args)
         with pytest.raises(ValueError, match=match):
             llm.generate(mm(text, [img]), greedy(4))
-        _assert_all_free(llm)
+        assert_all_free(llm)
         assert llm.generate(mm(prompt("what is this"), []), greedy(3))[0].finished  # still serving
     with pytest.raises(ValueError, match="image 0: absolute aspect ratio"):
-        _engine(path).generate(mm(text, [make_image(1, (2, 500))]), greedy(2))
+        engine(path).generate(mm(text, [make_image(1, (2, 500))]), greedy(2))
 
 
-def test_default_image_cap_is_a_quarter_of_max_model_len(qwen_family):
-    path, _ = qwen_family("qwen2_vl")
-    assert _engine(path, max_model_len=160).engine.max_image_tokens == 40
+def test_default_image_cap_is_a_quarter_of_max_model_len(vl_family):
+    path, _ = vl_family("qwen2_vl")
+    assert engine(path, max_model_len=160).engine.max_image_tokens == 40

@@ -1,0 +1,176 @@
+"""InternVL in transformers' format (`InternVLForConditionalGeneration`: InternVL3, InternVL2.5-HF).
+
+The processor (transformers' GotOcr2 one) picks the tile grid whose aspect ratio is closest to the
+image's, within `min_patches`..`max_patches` tiles, resizes the image onto it, cuts the tiles and
+adds a thumbnail of the whole image when there is more than one. Each tile goes through the
+InternViT tower; the class token is dropped, a pixel shuffle folds 2x2 patches into one token
+(`downsample_ratio` 0.5) and an MLP projects it: `image_seq_length` tokens per tile. The prompt's
+`<IMG_CONTEXT>` becomes `<img>` + `<IMG_CONTEXT>` x (tiles x image_seq_length) + `</img>`; only the
+context tokens carry embeddings. The language model is Qwen2's or Llama's, with 1-D positions.
+
+Tower and projector are transformers' own modules; the language model runs on the engine's paged
+layers. Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
+`lm_head.*` (tied in the tiny test checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.weights import (
+    build_language_model,
+    load_strict,
+    positive_option,
+    read_weights,
+    ready,
+    split_by_prefix,
+)
+from mm_engine.platform import Platform
+from mm_engine.request import ImageSpan
+from mm_engine.vision.image_io import image_content_hash
+
+SUPPORTED_TEXT = ("llama", "qwen2", "qwen3", "mistral")
+# mm_processor_kwargs: transformers' names, and vLLM's for the same two settings.
+TILE_OPTIONS = {
+    "min_patches": "min_patches",
+    "max_patches": "max_patches",
+    "min_dynamic_patch": "min_patches",
+    "max_dynamic_patch": "max_patches",
+}
+
+
+def check_config(config) -> None:
+    if config.text_config.model_type not in SUPPORTED_TEXT:
+        raise ValueError(
+            f"unsupported language model {config.text_config.model_type!r}; supported: {SUPPORTED_TEXT}"
+        )
+    if config.text_config.model_type == "qwen3":
+        raise ValueError("InternVL with a Qwen3 language model (QK-norm) is not supported yet")
+    if config.vision_feature_select_strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r}")
+    if int(1 / config.downsample_ratio) * config.downsample_ratio != 1:
+        raise ValueError(f"downsample_ratio must be 1 / an integer, got {config.downsample_ratio}")
+
+
+class InternVLProcessing(Processing):
+    """The checkpoint's own image processor (transformers'), one image per call, tiling on."""
+
+    def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
+        from transformers import AutoProcessor
+
+        hf = AutoProcessor.from_pretrained(path)
+        self.hf = hf.image_processor
+        self.seq_len = hf.image_seq_length
+        self.image_token = hf.image_token
+        self.image_token_id = hf.image_token_id
+        self.start_id, self.end_id = hf.start_image_token_id, hf.end_image_token_id
+        defaults = {"min_patches": self.hf.min_patches, "max_patches": self.hf.max_patches}
+        self.tiles = self._tiles(defaults, kwargs)
+        self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
+
+    @staticmethod
+    def _tiles(base: dict[str, int], options: Mapping[str, Any] | None) -> dict[str, int]:
+        out = dict(base)
+        for key, value in (options or {}).items():
+            if key not in TILE_OPTIONS:
+                raise ValueError(
+                    f"unknown mm_processor_kwargs option {key!r}; supported: {', '.join(TILE_OPTIONS)}"
+                )
+            value = positive_option(key, value)
+            out[TILE_OPTIONS[key]] = value
+        if out["min_patches"] > out["max_patches"]:
+            raise ValueError(
+                f"min_patches ({out['min_patches']}) is larger than max_patches ({out['max_patches']})"
+            )
+        return out
+
+    def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+        tiles = self._tiles(self.tiles, overrides)
+        out = self.hf(images=[image], crop_to_patches=True, return_tensors="pt", **tiles)
+        pixels = out["pixel_values"]
+        n = pixels.shape[0] * self.seq_len
+        tokens = [self.start_id, *([self.image_token_id] * n), self.end_id]
+        mask = (False, *([True] * n), False)
+        digest = image_content_hash(
+            image, f"{self._salt}|{tiles['min_patches']}:{tiles['max_patches']}".encode()
+        )
+        return ProcessedImage(pixels, tokens, mask, n, digest)
+
+
+def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """`[tiles, side, side, C]` -> `[tiles, side / f, side / f, C * f * f]`: each output token holds
+    its f x f block of patches, row by row (the order InternVL was trained with)."""
+    n, rows, cols, c = x.shape
+    x = x.reshape(n, rows // factor, factor, cols // factor, factor, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(n, rows // factor, cols // factor, factor * factor * c)
+
+
+def _route(key: str) -> tuple[str, str] | None:
+    k = key.removeprefix("model.")
+    for prefix, part in (("vision_tower.", "vision"), ("multi_modal_projector.", "projector")):
+        if k.startswith(prefix):
+            return part, k.removeprefix(prefix)
+    if k.startswith("lm_head."):
+        return "lm", k
+    if k.startswith("language_model."):
+        return "lm", k.removeprefix("language_model.").removeprefix("model.")
+    return None
+
+
+class InternVLModel(MultimodalModel):
+    def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
+        super().__init__()
+        self.config = config
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.language_model = language_model
+        self.image_token_id = config.image_token_id
+        self.factor = int(1 / config.downsample_ratio)
+        layer = config.vision_feature_layer
+        if not isinstance(layer, int):
+            raise ValueError("a list of vision_feature_layer values is not supported for InternVL")
+        self.feature_layer = layer
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return next(self.vision_tower.parameters()).dtype
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        lm_weight = self.language_model.embed_tokens.weight
+        pixels = torch.cat([span.pixel_values for span in images]).to(lm_weight.device, self.vision_dtype)
+        out = self.vision_tower(pixel_values=pixels, output_hidden_states=self.feature_layer != -1)
+        feats = out.last_hidden_state if self.feature_layer == -1 else out.hidden_states[self.feature_layer]
+        if self.config.vision_feature_select_strategy == "default":
+            feats = feats[:, 1:]  # the class token
+        side = int(feats.shape[1] ** 0.5)
+        feats = pixel_shuffle(feats.reshape(feats.shape[0], side, side, -1), self.factor)
+        feats = self.multi_modal_projector(
+            feats.reshape(feats.shape[0], -1, feats.shape[-1]).to(lm_weight.dtype)
+        )
+        feats = feats.reshape(-1, 1, feats.shape[-1])
+        return list(feats.split([span.num_embeds for span in images]))
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
+        platform: Platform, pack_weights: bool,
+    ) -> MultimodalModel:  # fmt: skip
+        from transformers import AutoModel
+        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+        parts = split_by_prefix(read_weights(path), _route, "InternVL")
+        lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
+        tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
+        load_strict(tower, parts.get("vision", {}), "vision tower")
+        projector = InternVLMultiModalProjector(config).to(device=device, dtype=dtype)  # in the LM's dtype
+        load_strict(projector, parts.get("projector", {}), "projector")
+        model = cls(config, tower, projector, lm)
+        return ready(model, model.vision_tower, platform, pack_weights)
