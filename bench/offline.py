@@ -47,16 +47,18 @@ HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (4, 8, 16)}  # chat at 32 lost to
 HF_SWEEP_GPU = {"caption": (8, 16, 32, 64, 128), "chat": (8, 16, 32, 64, 128)}
 
 
-def workload_requests(workload: str, num_images: int, seed: int) -> list[tuple[int, str, int]]:
-    """(image index, prompt, output tokens) in submission order."""
+def workload_requests(
+    workload: str, num_images: int, seed: int, prompts=(vlm.CAPTION_PROMPT, vlm.chat_prompt)
+) -> list[tuple[int, str, int]]:
+    """(image index, prompt, output tokens) in submission order; `prompts`: the model's (caption
+    prompt, question -> chat prompt), from `vlm.prompts_for`."""
+    caption, chat = prompts
     if workload == "caption":
         lengths = vlm.output_lengths(num_images, "caption", seed)
-        return [(i, vlm.CAPTION_PROMPT, n) for i, n in enumerate(lengths)]
+        return [(i, caption, n) for i, n in enumerate(lengths)]
     lengths = vlm.output_lengths(4 * num_images, "chat", seed)
     return [
-        (i, vlm.chat_prompt(q), lengths[4 * i + k])
-        for i in range(num_images)
-        for k, q in enumerate(vlm.CHAT_QUESTIONS)
+        (i, chat(q), lengths[4 * i + k]) for i in range(num_images) for k, q in enumerate(vlm.CHAT_QUESTIONS)
     ]
 
 
@@ -119,7 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
     ap.add_argument("--profile", action="store_true", help="time the engine's phases (scheduling, ...)")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--model", default=None, help="a LLaVA checkpoint (default: bench.vlm's, built once)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint folder of any supported family, or bench (default: bench.vlm's LLaVA model) "
+        "or bench-qwen2.5-vl (bench.vlm's Qwen2.5-VL model), built once",
+    )
     ap.add_argument(
         "--rate-sizes",
         default=None,
@@ -143,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.num_images = 64 if args.workload == "caption" else 16
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
-    model = args.model or str(vlm.bench_model_path())
-    requests = workload_requests(args.workload, args.num_images, args.seed)
+    model = vlm.resolve_model(args.model)
+    requests = workload_requests(args.workload, args.num_images, args.seed, vlm.prompts_for(model))
     engine_args = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -174,10 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
     engine_rates = [sum(r["matmul_flops_per_s"]) / 2 for r in (ours, again)]
     hf_rate = sum(hf["matmul_flops_per_s"]) / 2
     same, compared = compare(ours["tokens"], hf["tokens"], args.check)
-    flops = LlavaFlops.from_config(AutoConfig.from_pretrained(model))
-    floor = floor_flops(flops, requests, ours["prompt_ids"])
+    config = AutoConfig.from_pretrained(model)
+    # The FLOP model is LLaVA's (fixed image tokens); other families report no floor yet.
+    floor = None
+    if config.model_type == "llava":
+        floor = floor_flops(LlavaFlops.from_config(config), requests, ours["prompt_ids"])
     # Each run against the rate measured next to it; the engine's is the mean of its two runs.
-    fractions = [floor / (t * r) for t, r in zip(engine_runs, engine_rates, strict=True)]
+    fractions = [floor / (t * r) if floor else None for t, r in zip(engine_runs, engine_rates, strict=True)]
     out_tokens = sum(n for _, _, n in requests)
     result = {
         "workload": args.workload,
@@ -189,10 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_output_tokens_per_s": out_tokens / ours["seconds"],
         "hf_output_tokens_per_s": out_tokens / hf["seconds"],
         "throughput_ratio": hf["seconds"] / ours["seconds"],
-        "compute_floor_fraction": sum(fractions) / 2,
-        "hf_compute_floor_fraction": floor / (hf["seconds"] * hf_rate),
-        "compute_floor_fraction_at_start_rate": floor / (ours["seconds"] * peak),
-        "floor_tflops": floor / 1e12,
+        "compute_floor_fraction": sum(fractions) / 2 if floor else None,
+        "hf_compute_floor_fraction": floor / (hf["seconds"] * hf_rate) if floor else None,
+        "compute_floor_fraction_at_start_rate": floor / (ours["seconds"] * peak) if floor else None,
+        "floor_tflops": floor / 1e12 if floor else None,
+        "model": config.architectures[0] if config.architectures else config.model_type,
         "matmul_gflops_per_s": peak / 1e9,
         "engine_run_matmul_gflops_per_s": [r / 1e9 for r in engine_rates],
         "hf_run_matmul_gflops_per_s": hf_rate / 1e9,
@@ -236,7 +247,8 @@ def print_table(r: dict) -> None:
         else f"{m['cpu']}, {m['torch_threads']} threads, {r.get('dtype', 'float32')}"
     )
     print(
-        f"\n### bench.offline `{r['workload']}`: {r['num_images']} images, {r['num_requests']} requests, "
+        f"\n### bench.offline `{r['workload']}` on {r.get('model', 'LLaVA')}: {r['num_images']} images, "
+        f"{r['num_requests']} requests, "
         f"{r['output_tokens']} output tokens ({m['date']}, {where}, "
         f"matmul {r['matmul_gflops_per_s']:.0f} GFLOP/s)\n"
     )
@@ -248,10 +260,10 @@ def print_table(r: dict) -> None:
         gpu_cell = f" {r[f'{side}_peak_gpu_mib']:.0f} |" if gpu else ""
         print(
             f"| {name} | {r[f'{side}_images_per_s']:.2f} | {r[f'{side}_output_tokens_per_s']:.1f} | "
-            f"{floor:.1%} | {r[f'{side}_peak_rss_mib']:.0f} |{gpu_cell}"
+            f"{'n/a' if floor is None else f'{floor:.1%}'} | {r[f'{side}_peak_rss_mib']:.0f} |{gpu_cell}"
         )
     print(f"| ratio | {r['throughput_ratio']:.2f}x | {r['throughput_ratio']:.2f}x | | |{' |' if gpu else ''}")
-    if "engine_run_matmul_gflops_per_s" in r:
+    if "engine_run_matmul_gflops_per_s" in r and r["compute_floor_fraction"] is not None:
         rates = ", ".join(f"{g:.0f}" for g in r["engine_run_matmul_gflops_per_s"])
         print(
             f"\nmatmul rate next to each run (GFLOP/s): mm-engine {rates}; transformers "

@@ -1,5 +1,6 @@
 """The two contestants of bench.offline, each run in a fresh process so that its peak memory is its
-own: mm-engine's `LLM.generate` and transformers' `LlavaForConditionalGeneration.generate`.
+own: mm-engine's `LLM.generate` and transformers' `generate` (AutoModelForImageTextToText: the
+checkpoint's own family class).
 
 A run gets the model path and the requests (image index, prompt, output length), loads, warms up
 on one short request (first-call costs of the matmul library are nobody's throughput), then times
@@ -64,7 +65,7 @@ def engine_run(job: Job) -> dict:
     torch.set_num_threads(job.threads)
     images = vlm.images(job.num_images, job.seed)
     llm = LLM(job.model, device=job.device, dtype=job.dtype, vision_dtype=job.dtype, **job.engine_args)
-    warm = {"prompt": vlm.CAPTION_PROMPT, "multi_modal_data": {"image": vlm.noise_image(0)}}
+    warm = {"prompt": job.requests[0][1], "multi_modal_data": {"image": vlm.noise_image(0)}}
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in job.requests]
@@ -86,14 +87,14 @@ def engine_run(job: Job) -> dict:
 
 
 def hf_run(job: Job) -> dict:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch.set_num_threads(job.threads)
     images = vlm.images(job.num_images, job.seed)
     processor = AutoProcessor.from_pretrained(job.model)
     processor.tokenizer.padding_side = "left"  # generation appends on the right
     dtype = getattr(torch, job.dtype)
-    model = LlavaForConditionalGeneration.from_pretrained(job.model, dtype=dtype).to(job.device).eval()
+    model = AutoModelForImageTextToText.from_pretrained(job.model, dtype=dtype).to(job.device).eval()
     model.generation_config.eos_token_id = None  # ignore_eos: every row runs to its max_new_tokens
     pad = processor.tokenizer.pad_token_id
 
@@ -111,7 +112,7 @@ def hf_run(job: Job) -> dict:
         return [row[:n] for row, (_, _, n) in zip(new, batch, strict=True)]
 
     with torch.inference_mode():
-        warm_inputs = encode([vlm.CAPTION_PROMPT], [vlm.noise_image(0)])
+        warm_inputs = encode([job.requests[0][1]], [vlm.noise_image(0)])
         model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
     bs = job.hf_batch_size
     batches = range(0, len(job.requests), bs)

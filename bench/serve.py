@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from bench.machine import machine_info
 from bench.serve_metrics import RequestRecord, compute_metrics, markdown_table, parse_goodput
-from bench.vlm import CHAT_QUESTIONS, bench_model_path, images, output_lengths
+from bench.vlm import CHAT_QUESTIONS, images, output_lengths, resolve_model
 
 
 @dataclass(slots=True)
@@ -74,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="SLOs as NAME:MS, NAME in ttft, tpot, e2el (vllm's syntax)")  # fmt: skip
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, besides the median")
     p.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bench.vlm model)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint folder, or bench (default) / bench-qwen2.5-vl (bench.vlm's)"
+    )
     p.add_argument("--port", type=int, default=0, help="0: a free port")
     p.add_argument("--server-args", default="", help="extra `mm-engine serve` flags, one string")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -153,7 +155,7 @@ def _stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def running_server(args: argparse.Namespace) -> Iterator[str]:
     """`mm-engine serve` on 127.0.0.1, its log in a temporary file (kept, and shown, if it fails)."""
-    model = args.model or str(bench_model_path())
+    model = resolve_model(args.model)
     cmd = [sys.executable, "-m", "mm_engine.cli", "serve", model, "--host", "127.0.0.1",
            "--port", str(args.port), "--no-access-log", *shlex.split(args.server_args)]  # fmt: skip
     print("starting:", shlex.join(cmd[2:]), flush=True)

@@ -87,6 +87,74 @@ def bench_model_path() -> Path:
     return path
 
 
+# The Qwen2.5-VL benchmark model: a tower of SigLIP-base's size with Qwen2.5's window attention
+# (patch 14, 2x2 merge, windows of 112 px, full attention every 4th layer) before the same
+# SmolLM2-135M-like language model (M-RoPE sections for its head size 64). min_pixels makes the
+# benchmark scenes (224 px and up) at least 392 x 392: 196 tokens an image, as the LLaVA model.
+QWEN_NAME = "qwen2.5-vl-like-v1"
+QWEN_VISION_DIMS = dict(
+    depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=576, window_size=112,
+    fullatt_block_indexes=[3, 7, 11], hidden_act="silu",
+)  # fmt: skip
+QWEN_TEXT_DIMS = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=4096,
+)  # fmt: skip
+MODEL_ALIASES = ("bench", "bench-qwen2.5-vl")
+
+
+def resolve_model(model: str | None) -> str:
+    """A checkpoint folder as it is; `bench` (the default) or `bench-qwen2.5-vl`: built once."""
+    if model in (None, "bench"):
+        return str(bench_model_path())
+    if model == "bench-qwen2.5-vl":
+        return str(bench_qwen_model_path())
+    return model
+
+
+def bench_qwen_model_path() -> Path:
+    from mm_engine.testing_qwen import build_qwen_checkpoint
+
+    path = cache_dir() / QWEN_NAME
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"building the Qwen2.5-VL benchmark model into {path} (once) ...", flush=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = build_qwen_checkpoint(
+            Path(tmp) / QWEN_NAME,
+            "qwen2_5_vl",
+            patch_size=14,
+            min_pixels=392 * 392,
+            max_pixels=1024 * 28 * 28,
+            text_dims=QWEN_TEXT_DIMS,
+            vision_dims=QWEN_VISION_DIMS,
+            vocab_size=VOCAB,
+            weight_scale=2.0,
+        )
+        shutil.move(str(built), path)
+    return path
+
+
+def prompts_for(model: str):
+    """(caption prompt, question -> chat prompt) for a checkpoint: LLaVA's fixed strings for the
+    LLaVA model (its figures stay comparable across versions), the checkpoint's own chat template
+    for any other family."""
+    from transformers import AutoConfig, AutoProcessor
+
+    if AutoConfig.from_pretrained(model).model_type == "llava":
+        return CAPTION_PROMPT, chat_prompt
+    processor = AutoProcessor.from_pretrained(model)
+
+    def ask(question: str) -> str:
+        content = [{"type": "image"}, {"type": "text", "text": question}]
+        return processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+
+    return ask("describe this image"), ask
+
+
 def output_lengths(n: int, workload: str, seed: int) -> list[int]:
     mu, sigma, lo, hi = LENGTHS[workload]
     rng = random.Random(f"lengths-{workload}-{seed}")

@@ -111,9 +111,10 @@ class Scheduler:
                 continue
             if self.encoder_cache.contains(span.content_hash):
                 continue
-            if cost + span.length > self._encoder_left:
+            # Charged with what the tower produces (a tiled image's run also holds row/column tokens).
+            if cost + span.num_embeds > self._encoder_left:
                 return max(0, span.offset - start), cost  # stop before the image that does not fit
-            cost += span.length
+            cost += span.num_embeds
         return n, cost
 
     def _take(self, req: Request, n: int, cost: int, batch: ScheduledBatch) -> None:
