@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
 # The layout `pip install -e .` maps (pyproject's package-dir): mm_engine.kernels -> kernels/ ...
-for d in vision kernels pools sched api; do
+for d in vision kernels pools sched api models; do
     [ -e "mm_engine/$d" ] || ln -s "../$d" "mm_engine/$d"
 done
 
@@ -44,6 +44,10 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 #    backend, all compiled on the GPU (MM_ENGINE_TEST_DEVICE), against float64 / CPU references.
 TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/test_triton_kernels.py tests/test_bench_kernels.py tests/test_triton_engine.py
+
+# 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
+TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
+    tests/test_qwen_vl.py tests/test_tiled_vl.py -k triton
 
 # 2. The README's first command on the GPU (demo model, float16).
 TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \

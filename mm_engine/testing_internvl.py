@@ -51,6 +51,7 @@ def build_internvl_checkpoint(
     path: str | Path,
     tile: int = 32,
     max_patches: int = 6,
+    text: str = "qwen2",
     seed: int = 0,
     text_dims: dict | None = None,
     vision_dims: dict | None = None,
@@ -59,7 +60,8 @@ def build_internvl_checkpoint(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """A random checkpoint, tiny by default: 32-pixel tiles of 8-pixel patches (4 tokens per tile
-    after the pixel shuffle), 1 to 6 tiles plus a thumbnail, a Qwen2 language model (GQA 4:2)."""
+    after the pixel shuffle), 1 to 6 tiles plus a thumbnail, a Qwen2 language model (GQA 4:2), or
+    with `text="qwen3"` a Qwen3 one (q/k norms: InternVL3.5)."""
     from transformers import (
         AutoConfig,
         GotOcr2ImageProcessor,
@@ -70,8 +72,9 @@ def build_internvl_checkpoint(
     path = Path(path)
     tokenizer = build_internvl_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in INTERNVL_SPECIAL}
+    lm = text
     text = dict(
-        model_type="qwen2",
+        model_type=lm,
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -83,6 +86,8 @@ def build_internvl_checkpoint(
         pad_token_id=ids["<|endoftext|>"],
         bos_token_id=None,
     )
+    if lm == "qwen3":
+        text.update(head_dim=32)
     text.update(text_dims or {})
     patch = 8
     vision = dict(

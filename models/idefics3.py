@@ -37,7 +37,7 @@ from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
-SUPPORTED_TEXT = ("llama", "mistral", "qwen2")
+SUPPORTED_TEXT = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_config(config) -> None:

@@ -51,8 +51,6 @@ def check_config(config) -> None:
         raise ValueError(
             f"unsupported language model {config.text_config.model_type!r}; supported: {SUPPORTED_TEXT}"
         )
-    if config.text_config.model_type == "qwen3":
-        raise ValueError("InternVL with a Qwen3 language model (QK-norm) is not supported yet")
     if config.vision_feature_select_strategy not in ("default", "full"):
         raise ValueError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r}")
     if int(1 / config.downsample_ratio) * config.downsample_ratio != 1:

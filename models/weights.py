@@ -69,9 +69,10 @@ def build_language_model(
     mrope_streams: list[int] | None = None,
     qk_norm: bool = False,
 ) -> DecoderLM:
-    """The engine's paged decoder with the checkpoint's weights; biases and a tied head are read
-    from the checkpoint itself."""
+    """The engine's paged decoder with the checkpoint's weights; biases, Qwen3's q/k norms and a
+    tied head are read from the checkpoint itself."""
     bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    qk_norm = qk_norm or "layers.0.self_attn.q_norm.weight" in lm_state
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
     tie = "lm_head.weight" not in lm_state
     with torch.device(device), default_dtype(dtype):

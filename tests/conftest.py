@@ -95,13 +95,14 @@ def _build_family(name: str, path):
         return build_idefics_checkpoint(path, name, seed=1 if name == "smolvlm" else 0)
     from mm_engine.testing_internvl import build_internvl_checkpoint
 
-    return build_internvl_checkpoint(path)
+    return build_internvl_checkpoint(path, text="qwen3" if name == "internvl_qwen3" else "qwen2")
 
 
 @pytest.fixture(scope="session")
 def vl_family(tmp_path_factory):
     """`vl_family(name)`: a tiny checkpoint of that family (qwen2_vl, qwen2_5_vl, qwen3_vl,
-    idefics3, smolvlm, internvl), built once per session, and its transformers reference."""
+    idefics3, smolvlm, internvl, internvl_qwen3), built once per session, and its transformers
+    reference."""
     built: dict[str, tuple[str, FamilyReference]] = {}
 
     def get(name: str) -> tuple[str, FamilyReference]:

@@ -12,10 +12,12 @@ from conftest import make_image
 from vl_helpers import assert_all_free, engine, greedy, mm
 
 FAMILIES = ["idefics3", "smolvlm", "internvl"]
+# InternVL3.5: the same tower with a Qwen3 language model (q/k norms).
+ALL = [*FAMILIES, "internvl_qwen3"]
 
 
 def prompt(family: str, question: str, n_images: int = 0) -> str:
-    if family == "internvl":
+    if family.startswith("internvl"):
         return f"<|im_start|>user {'<IMG_CONTEXT> ' * n_images}{question}<|im_end|> <|im_start|>assistant "
     return f"<|endoftext|>User:{'<image>' * n_images} {question}<end_of_utterance>\nAssistant:"
 
@@ -30,7 +32,7 @@ def batch(family: str) -> list[tuple[str, list, int]]:
     ]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=ALL)
 def family(request, vl_family):
     return request.param, *vl_family(request.param)
 
@@ -69,7 +71,7 @@ def test_runs_carry_embeddings_only_at_image_tokens_and_pick_pools_by_them(famil
     for span in spans:
         is_embed[span.offset : span.offset + span.length] = span.embed_mask
     assert flags == [all(is_embed[i * 8 : (i + 1) * 8]) for i in range(len(ids) // 8)]
-    if name == "internvl":  # contiguous context tokens: whole blocks of them go to the image pool
+    if name.startswith("internvl"):  # contiguous context tokens: whole blocks of them go to the image pool
         assert any(flags)
 
 
@@ -96,7 +98,7 @@ def test_processing_equals_the_hf_processor(vl_family, mode):
         want = ref.inputs(text, images)
         assert ids == want["input_ids"][0].tolist(), name
         pixels = want["pixel_values"]
-        pixels = pixels if name == "internvl" else pixels[0]
+        pixels = pixels if name.startswith("internvl") else pixels[0]
         torch.testing.assert_close(torch.cat([s.pixel_values for s in spans]), pixels)
         assert len({s.content_hash for s in spans}) == len(spans)
 
@@ -111,9 +113,7 @@ def test_repeated_image_reuses_prefix_and_is_encoded_once(family):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, 6)
     assert outs[1].num_cached_tokens > 0
     assert llm.engine.runner.num_encoded_images == 1
-    late = prompt(
-        name, f"tell me about this photo {'<IMG_CONTEXT>' if name == 'internvl' else '<image>'} please"
-    )
+    late = prompt(name, f"tell me about this photo {llm.engine.inputs.image_token} please")
     out = llm.generate(mm(late, [img]), greedy(6))[0]
     assert out.outputs[0].token_ids == ref.generate(late, [img], 6)
     assert llm.engine.runner.num_encoded_images == 1
