@@ -195,6 +195,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; return an output for each request that advanced."""
         batch = self.scheduler.schedule(time.time())
+        for req in batch.preempted:  # recomputed from the start: its image features go too
+            self.runner.release(req.request_id)
         if not batch.items:
             return []
         logits, sampling = self.runner.execute(batch.items)
@@ -236,6 +238,7 @@ class LLMEngine:
         req.stop_reason = stop_reason
         req.finished_time = time.time()
         self.scheduler.finish(req)
+        self.runner.release(req.request_id)
         return req.detokenizer.flush() if reason != "abort" else ""
 
     def _output(self, req: Request, delta: str) -> RequestOutput:

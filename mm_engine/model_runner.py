@@ -36,6 +36,10 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.spec.block_size
         self.num_encoded_images = 0  # how many images the vision tower has encoded in all
+        # Features of images a request's prefill has reached but not passed: request id -> image
+        # index -> features. The runner's own state; the engine releases a request's when it is
+        # preempted or finishes.
+        self._held: dict[str, dict[int, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[int]]:
@@ -59,7 +63,7 @@ class ModelRunner:
                 a, b = max(start, span.offset), min(end, span.offset + span.length)
                 if a < b:
                     rows, first = _embed_rows(span, a - span.offset, b - span.offset)
-                    feats = req.image_embeds[j][first : first + rows.numel()]
+                    feats = self._held[req.request_id][j][first : first + rows.numel()]
                     embed_rows.append(rows + (row0 + span.offset - start))
                     embed_feats.append(feats)
             if end == req.num_tokens:
@@ -125,11 +129,12 @@ class ModelRunner:
         todo: dict[str, list[tuple[Request, int]]] = {}
         for req, n in items:
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            held = self._held.setdefault(req.request_id, {})
             for j, span in enumerate(req.images):
-                if span.offset < end and start < span.offset + span.length and j not in req.image_embeds:
+                if span.offset < end and start < span.offset + span.length and j not in held:
                     feats = self.encoder_cache.get(span.content_hash)
                     if feats is not None:
-                        req.image_embeds[j] = feats
+                        held[j] = feats
                     else:
                         todo.setdefault(span.content_hash, []).append((req, j))
         if not todo:
@@ -139,16 +144,22 @@ class ModelRunner:
         for (key, users), f in zip(todo.items(), feats, strict=True):
             self.encoder_cache.put(key, f)
             for req, j in users:
-                req.image_embeds[j] = f
+                self._held[req.request_id][j] = f
         self.num_encoded_images += len(todo)
 
-    @staticmethod
-    def _drop_used_images(items: list[tuple[Request, int]]) -> None:
+    def _drop_used_images(self, items: list[tuple[Request, int]]) -> None:
         """Features are needed only until the prefill has passed the image."""
         for req, n in items:
             done = req.num_computed_tokens + n
-            for j in [j for j in req.image_embeds if req.images[j].offset + req.images[j].length <= done]:
-                del req.image_embeds[j]
+            held = self._held.get(req.request_id, {})
+            for j in [j for j in held if req.images[j].offset + req.images[j].length <= done]:
+                del held[j]
+            if not held:
+                self._held.pop(req.request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's image features (it was preempted, or it finished)."""
+        self._held.pop(request_id, None)
 
 
 def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:

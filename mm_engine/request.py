@@ -59,7 +59,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
-    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> features
     # Multimodal rotary positions of the prompt ([3, prompt tokens], Qwen line), set once when the
     # request is added; token i >= the prompt sits at i + mrope_delta on all three axes.
     mrope_positions: torch.Tensor | None = None

@@ -63,6 +63,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.preemptions_by_pool = {"text": 0, "image": 0}
+        # Per request, the image its last chunk ended inside: its features are held by the runner
+        # from that step on, so the next chunk does not charge the encoder budget for it again.
+        self._straddling: dict[str, int] = {}
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting_requests:
@@ -107,7 +110,7 @@ class Scheduler:
         for j, span in enumerate(req.images):
             if span.offset >= start + n:
                 break
-            if span.offset + span.length <= start or j in req.image_embeds:
+            if span.offset + span.length <= start or self._straddling.get(req.request_id) == j:
                 continue
             if self.encoder_cache.contains(span.content_hash):
                 continue
@@ -122,6 +125,12 @@ class Scheduler:
         self._budget -= n
         self._encoder_left -= cost
         self._scheduled.add(req.request_id)
+        end = req.num_computed_tokens + n
+        inside = [j for j, s in enumerate(req.images) if s.offset < end < s.offset + s.length]
+        if inside:
+            self._straddling[req.request_id] = inside[0]
+        else:
+            self._straddling.pop(req.request_id, None)
         if req.num_computed_tokens < req.num_prompt_tokens:
             self._in_flight.update(self.blocks.pending_prompt_hashes(req))
 
@@ -198,7 +207,7 @@ class Scheduler:
             self.swap.swap_out(req.request_id, held, req.num_computed_tokens, has_image)
         self.blocks.free(req)
         req.num_computed_tokens = 0
-        req.image_embeds.clear()
+        self._straddling.pop(req.request_id, None)
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = Status.WAITING
@@ -216,5 +225,5 @@ class Scheduler:
             self.swap.drop(req.request_id)
         self.blocks.free(req)
         self.blocks.forget(req)
-        req.image_embeds.clear()
+        self._straddling.pop(req.request_id, None)
         req.status = Status.FINISHED

@@ -113,19 +113,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.sched.finish(self.live.pop(req.request_id))
 
     def _fake_run(self, req: Request, n: int) -> None:
-        """What the runner does that the scheduler relies on: encode touched images, drop passed ones."""
+        """What the runner does that the scheduler relies on: touched images end up encoded (in
+        the encoder cache, which may evict them again) and the computed tokens advance."""
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        for j, span in enumerate(req.images):
-            if span.offset < end and start < span.offset + span.length and j not in req.image_embeds:
-                feats = self.encoder_cache.get(span.content_hash)
-                if feats is None:
-                    feats = torch.zeros(IMG_TOKENS)
-                    self.encoder_cache.put(span.content_hash, feats)
-                req.image_embeds[j] = feats
+        for span in req.images:
+            touched = span.offset < end and start < span.offset + span.length
+            if touched and self.encoder_cache.get(span.content_hash) is None:
+                self.encoder_cache.put(span.content_hash, torch.zeros(IMG_TOKENS))
         assert len(req.block_table) * BS >= end, "computing tokens that have no slot"
         req.num_computed_tokens = end
-        for j in [j for j in req.image_embeds if req.images[j].offset + req.images[j].length <= end]:
-            del req.image_embeds[j]
 
     # ---- invariants --------------------------------------------------------------------------
 
