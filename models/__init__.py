@@ -22,6 +22,7 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "Idefics3ForConditionalGeneration": ("idefics3", "Idefics3Model", "Idefics3Processing"),
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3Model", "Idefics3Processing"),
     "InternVLForConditionalGeneration": ("internvl", "InternVLModel", "InternVLProcessing"),
+    "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3Model", "PixtralProcessing"),
 }
 # The config's model_type for each, when a config names no architecture.
 MODEL_TYPES = {
@@ -32,6 +33,7 @@ MODEL_TYPES = {
     "idefics3": "Idefics3ForConditionalGeneration",
     "smolvlm": "SmolVLMForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

@@ -25,10 +25,10 @@ import torch
 from PIL import Image
 
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.options import longest_edge
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
-    positive_option,
     read_weights,
     ready,
     split_by_prefix,
@@ -63,23 +63,9 @@ class Idefics3Processing(Processing):
         self.image_token_id = tokenizer.convert_tokens_to_ids(hf.image_token)
         self.fake = hf.fake_image_token
         self.global_tag = getattr(hf, "global_image_token", None) or hf.global_image_tag
-        self.longest_edge = self._longest_edge(self.hf.size.longest_edge, kwargs)
+        self.edge = longest_edge(self.hf.size.longest_edge, kwargs)
         self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
         self._runs: dict[tuple[int, int], tuple[list[int], tuple[bool, ...]]] = {}
-
-    @staticmethod
-    def _longest_edge(default: int, options: Mapping[str, Any] | None) -> int:
-        edge = default
-        for key, value in (options or {}).items():
-            if key == "size" and isinstance(value, Mapping) and set(value) == {"longest_edge"}:
-                value = value["longest_edge"]
-            elif key != "longest_edge":
-                raise ValueError(
-                    f"unknown mm_processor_kwargs option {key!r}; supported: longest_edge, "
-                    "size={'longest_edge': N}"
-                )
-            edge = positive_option("longest_edge", value)
-        return edge
 
     def run(self, rows: int, cols: int) -> tuple[list[int], tuple[bool, ...]]:
         """The token ids of one image's placeholder run, and which of them are `<image>`."""
@@ -100,7 +86,7 @@ class Idefics3Processing(Processing):
         return self._runs[rows, cols]
 
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
-        edge = self._longest_edge(self.longest_edge, overrides)
+        edge = longest_edge(self.edge, overrides)
         out = self.hf(
             images=[[image]], size={"longest_edge": edge}, return_row_col_info=True, return_tensors="pt"
         )

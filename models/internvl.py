@@ -24,10 +24,10 @@ import torch
 from PIL import Image
 
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.options import positive_option
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
-    positive_option,
     read_weights,
     ready,
     split_by_prefix,

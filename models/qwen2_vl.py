@@ -25,10 +25,10 @@ from PIL import Image
 from mm_engine.layers import mrope_streams
 from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
 from mm_engine.models.mrope import mrope_positions
+from mm_engine.models.options import positive_option
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
-    positive_option,
     read_weights,
     ready,
     split_by_prefix,

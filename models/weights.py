@@ -90,10 +90,3 @@ def ready(model, tower: nn.Module, platform: Platform, pack_weights: bool):
     if pack_weights:
         pack_model_linears(model, model.language_model, platform)
     return model
-
-
-def positive_option(key: str, value) -> int:
-    """A processor option (`mm_processor_kwargs`) that must be a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"mm_processor_kwargs {key} must be a positive integer, got {value!r}")
-    return value

@@ -93,6 +93,10 @@ def _build_family(name: str, path):
         from mm_engine.testing_idefics import build_idefics_checkpoint
 
         return build_idefics_checkpoint(path, name, seed=1 if name == "smolvlm" else 0)
+    if name == "mistral3":
+        from mm_engine.testing_mistral3 import build_mistral3_checkpoint
+
+        return build_mistral3_checkpoint(path)
     from mm_engine.testing_internvl import build_internvl_checkpoint
 
     return build_internvl_checkpoint(path, text="qwen3" if name == "internvl_qwen3" else "qwen2")
@@ -101,7 +105,7 @@ def _build_family(name: str, path):
 @pytest.fixture(scope="session")
 def vl_family(tmp_path_factory):
     """`vl_family(name)`: a tiny checkpoint of that family (qwen2_vl, qwen2_5_vl, qwen3_vl,
-    idefics3, smolvlm, internvl, internvl_qwen3), built once per session, and its transformers
+    idefics3, smolvlm, internvl, internvl_qwen3, mistral3), built once per session, and its transformers
     reference."""
     built: dict[str, tuple[str, FamilyReference]] = {}
 

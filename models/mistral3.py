@@ -1,0 +1,131 @@
+"""Mistral 3 with its Pixtral tower (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2).
+
+The processor resizes an image so its longest edge is at most `size.longest_edge` and both sides
+are multiples of patch x merge size; there is no fixed resolution. The Pixtral tower runs every
+image's patches as one sequence with 2-D rotary positions (row, column) and attention kept inside
+each image; the projector norms, merges each 2x2 patches into one token and projects. The
+prompt's `[IMG]` becomes, per row of merged patches, `[IMG]` x columns then `[IMG_BREAK]`, the last
+break replaced by `[IMG_END]`; only the `[IMG]` positions carry embeddings. The language model is
+Mistral's, with 1-D positions.
+
+Tower and projector are transformers' own modules; the language model runs on the engine's paged
+layers. Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
+`lm_head.*` (or the older `vision_tower.*`, `language_model.model.*` layout).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.options import longest_edge
+from mm_engine.models.weights import build_language_model, load_strict, read_weights, ready, split_by_prefix
+from mm_engine.platform import Platform
+from mm_engine.request import ImageSpan
+from mm_engine.vision.image_io import image_content_hash
+
+SUPPORTED_TEXT = ("mistral", "llama")
+
+
+def check_config(config) -> None:
+    if config.text_config.model_type not in SUPPORTED_TEXT:
+        raise ValueError(
+            f"unsupported language model {config.text_config.model_type!r}; supported: {SUPPORTED_TEXT}"
+        )
+    if getattr(config.text_config, "sliding_window", None):
+        raise ValueError("sliding-window attention in the language model is not supported")
+
+
+class PixtralProcessing(Processing):
+    """The checkpoint's own Pixtral image processor (transformers'), one image per call."""
+
+    def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
+        from transformers import AutoProcessor
+
+        hf = AutoProcessor.from_pretrained(path)
+        self.hf = hf.image_processor
+        self.step = hf.patch_size * hf.spatial_merge_size  # pixels per merged token, each way
+        self.image_token = hf.image_token
+        self.image_token_id = hf.image_token_id
+        self.break_id, self.end_id = hf.image_break_token_id, hf.image_end_token_id
+        self.edge = longest_edge(self.hf.size.longest_edge, kwargs)
+        self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
+
+    def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+        edge = longest_edge(self.edge, overrides)
+        out = self.hf(images=[image], size={"longest_edge": edge}, patch_size=self.step, return_tensors="pt")
+        height, width = (int(v) for v in out["image_sizes"][0])
+        rows, cols = height // self.step, width // self.step
+        tokens = ([self.image_token_id] * cols + [self.break_id]) * rows
+        tokens[-1] = self.end_id
+        mask = tuple(t == self.image_token_id for t in tokens)
+        pixels = out["pixel_values"][0][:, :height, :width]  # one image: nothing to pad
+        digest = image_content_hash(image, f"{self._salt}|{edge}".encode())
+        return ProcessedImage(pixels, tokens, mask, rows * cols, digest, grid=(height, width))
+
+
+def _route(key: str) -> tuple[str, str] | None:
+    k = key.removeprefix("model.")
+    for prefix, part in (("vision_tower.", "vision"), ("multi_modal_projector.", "projector")):
+        if k.startswith(prefix):
+            return part, k.removeprefix(prefix)
+    if k.startswith("lm_head."):
+        return "lm", k
+    if k.startswith("language_model."):
+        return "lm", k.removeprefix("language_model.").removeprefix("model.")
+    return None
+
+
+class Mistral3Model(MultimodalModel):
+    def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
+        super().__init__()
+        self.config = config
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.language_model = language_model
+        self.image_token_id = config.image_token_id
+        layers = config.vision_feature_layer
+        self.layers = [layers] if isinstance(layers, int) else list(layers)
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return next(self.vision_tower.parameters()).dtype
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        lm_weight = self.language_model.embed_tokens.weight
+        height = max(span.grid[0] for span in images)
+        width = max(span.grid[1] for span in images)
+        # One padded batch; the tower cuts each image back to its own size before the patches meet.
+        pixels = torch.stack(
+            [F.pad(s.pixel_values, (0, width - s.grid[1], 0, height - s.grid[0])) for s in images]
+        ).to(lm_weight.device, self.vision_dtype)
+        sizes = torch.tensor([span.grid for span in images], device=lm_weight.device)
+        out = self.vision_tower(pixels, image_sizes=sizes, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1).squeeze(0)
+        feats = self.multi_modal_projector(feats.to(lm_weight.dtype), sizes)
+        return list(feats.reshape(-1, 1, feats.shape[-1]).split([span.num_embeds for span in images]))
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
+        platform: Platform, pack_weights: bool,
+    ) -> MultimodalModel:  # fmt: skip
+        from transformers import AutoModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        parts = split_by_prefix(read_weights(path), _route, "Mistral3")
+        lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
+        tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
+        load_strict(tower, parts.get("vision", {}), "vision tower")
+        projector = Mistral3MultiModalProjector(config).to(device=device, dtype=dtype)  # in the LM's dtype
+        load_strict(projector, parts.get("projector", {}), "projector")
+        model = cls(config, tower, projector, lm)
+        return ready(model, model.vision_tower, platform, pack_weights)
