@@ -30,6 +30,7 @@ from mm_engine.models.weights import (
     load_strict,
     read_weights,
     ready,
+    route_tower_projector_lm,
     split_by_prefix,
 )
 from mm_engine.platform import Platform
@@ -110,18 +111,6 @@ def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
     return x.reshape(n, rows // factor, cols // factor, factor * factor * c)
 
 
-def _route(key: str) -> tuple[str, str] | None:
-    k = key.removeprefix("model.")
-    for prefix, part in (("vision_tower.", "vision"), ("multi_modal_projector.", "projector")):
-        if k.startswith(prefix):
-            return part, k.removeprefix(prefix)
-    if k.startswith("lm_head."):
-        return "lm", k
-    if k.startswith("language_model."):
-        return "lm", k.removeprefix("language_model.").removeprefix("model.")
-    return None
-
-
 class InternVLModel(MultimodalModel):
     def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
         super().__init__()
@@ -164,7 +153,7 @@ class InternVLModel(MultimodalModel):
         from transformers import AutoModel
         from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 
-        parts = split_by_prefix(read_weights(path), _route, "InternVL")
+        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "InternVL")
         lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
         tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
         load_strict(tower, parts.get("vision", {}), "vision tower")

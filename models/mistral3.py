@@ -26,7 +26,14 @@ from PIL import Image
 
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
 from mm_engine.models.options import longest_edge
-from mm_engine.models.weights import build_language_model, load_strict, read_weights, ready, split_by_prefix
+from mm_engine.models.weights import (
+    build_language_model,
+    load_strict,
+    read_weights,
+    ready,
+    route_tower_projector_lm,
+    split_by_prefix,
+)
 from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
@@ -71,18 +78,6 @@ class PixtralProcessing(Processing):
         return ProcessedImage(pixels, tokens, mask, rows * cols, digest, grid=(height, width))
 
 
-def _route(key: str) -> tuple[str, str] | None:
-    k = key.removeprefix("model.")
-    for prefix, part in (("vision_tower.", "vision"), ("multi_modal_projector.", "projector")):
-        if k.startswith(prefix):
-            return part, k.removeprefix(prefix)
-    if k.startswith("lm_head."):
-        return "lm", k
-    if k.startswith("language_model."):
-        return "lm", k.removeprefix("language_model.").removeprefix("model.")
-    return None
-
-
 class Mistral3Model(MultimodalModel):
     def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
         super().__init__()
@@ -121,7 +116,7 @@ class Mistral3Model(MultimodalModel):
         from transformers import AutoModel
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
-        parts = split_by_prefix(read_weights(path), _route, "Mistral3")
+        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "Mistral3")
         lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
         tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
         load_strict(tower, parts.get("vision", {}), "vision tower")

@@ -39,6 +39,20 @@ def split_by_prefix(
     return parts
 
 
+def route_tower_projector_lm(key: str) -> tuple[str, str] | None:
+    """The LLaVA-style layout (InternVL, Mistral 3): `vision_tower.*`, `multi_modal_projector.*`
+    and `language_model.*` (+ `lm_head.*`), under `model.` (transformers 5) or not (older)."""
+    k = key.removeprefix("model.")
+    for prefix, part in (("vision_tower.", "vision"), ("multi_modal_projector.", "projector")):
+        if k.startswith(prefix):
+            return part, k.removeprefix(prefix)
+    if k.startswith("lm_head."):
+        return "lm", k
+    if k.startswith("language_model."):
+        return "lm", k.removeprefix("language_model.").removeprefix("model.")
+    return None
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
