@@ -71,17 +71,14 @@ class InputProcessor:
                 f"but {len(images)} image(s) were given"
             )
         pils = [self._load(img, i) for i, img in enumerate(images)]
+        processed = self._process(pils, overrides)
         out: list[int] = []
         spans: list[ImageSpan] = []
         for tok in ids:
             if tok != self.image_token_id:
                 out.append(tok)
                 continue
-            index = len(spans)
-            try:
-                image = self.processing.process(pils[index], overrides)
-            except ValueError as exc:
-                raise ValueError(f"image {index}: {exc}") from None
+            image = processed[len(spans)]
             spans.append(
                 ImageSpan(
                     offset=len(out),
@@ -96,6 +93,17 @@ class InputProcessor:
             )
             out.extend(image.tokens)
         return out, spans
+
+    def _process(self, pils: list[PIL.Image.Image], overrides: Mapping[str, Any] | None) -> list:
+        if len(pils) <= 1 or type(self.processing).process_images is Processing.process_images:
+            out = []
+            for index, pil in enumerate(pils):  # one at a time: an error names its image
+                try:
+                    out.append(self.processing.process(pil, overrides))
+                except ValueError as exc:
+                    raise ValueError(f"image {index}: {exc}") from None
+            return out
+        return self.processing.process_images(pils, overrides)
 
     def _load(self, image: Any, index: int) -> PIL.Image.Image:
         if isinstance(image, str):

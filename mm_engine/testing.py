@@ -208,3 +208,79 @@ def build_checkpoint(
     )
     processor.save_pretrained(path)
     return path
+
+
+def build_anyres_checkpoint(
+    path: str | Path,
+    version: str = "llava_next",
+    seed: int = 0,
+    weight_scale: float = 4.0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """A random LLaVA-NeXT (CLIP tower, "default" features, Llama) or LLaVA-OneVision (SigLIP
+    tower, "full" features, Qwen2, `anyres_max_2` so large images are shrunk) checkpoint: 32-px
+    tiles of 8-px patches, grids up to 3 x 3 tiles."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    # OneVision's processor counts `<video>` tokens: without one, <unk> would count as video.
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<video>"]})
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    tile, patch = 32, 8
+    pinpoints = [[tile * r, tile * c] for r in (1, 2, 3) for c in (1, 2, 3)]
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2)
+    vision.update(image_size=tile, patch_size=patch)
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    onevision = version == "llava_onevision"
+    cfg = AutoConfig.for_model(
+        version,
+        vision_config={"model_type": "siglip_vision_model" if onevision else "clip_vision_model", **vision},
+        text_config={"model_type": "qwen2" if onevision else "llama", **text},
+        image_token_index=image_token_id,
+        image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full" if onevision else "default",
+        vision_feature_layer=-1 if onevision else -2,
+        **({"vision_aspect_ratio": "anyres_max_2"} if onevision else {}),
+        tie_word_embeddings=False,
+    )
+    save_random_model(cfg, path, seed, weight_scale, dtype)
+    if onevision:
+        from transformers import (
+            LlavaOnevisionImageProcessor,
+            LlavaOnevisionProcessor,
+            LlavaOnevisionVideoProcessor,
+        )
+
+        LlavaOnevisionProcessor(
+            image_processor=LlavaOnevisionImageProcessor(
+                size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
+            ),
+            tokenizer=tokenizer,
+            video_processor=LlavaOnevisionVideoProcessor(),
+            num_image_tokens=(tile // patch) ** 2,
+            vision_feature_select_strategy="full",
+            vision_aspect_ratio="anyres_max_2",
+            chat_template=CHAT_TEMPLATE,
+        ).save_pretrained(path)
+    else:
+        from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+        LlavaNextProcessor(
+            image_processor=LlavaNextImageProcessor(
+                size={"shortest_edge": tile},
+                crop_size={"height": tile, "width": tile},
+                image_grid_pinpoints=pinpoints,
+            ),  # fmt: skip
+            tokenizer=tokenizer,
+            patch_size=patch,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=CHAT_TEMPLATE,
+        ).save_pretrained(path)
+    return path

@@ -23,6 +23,8 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "SmolVLMForConditionalGeneration": ("idefics3", "Idefics3Model", "Idefics3Processing"),
     "InternVLForConditionalGeneration": ("internvl", "InternVLModel", "InternVLProcessing"),
     "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3Model", "PixtralProcessing"),
+    "LlavaNextForConditionalGeneration": ("llava_next", "LlavaNextModel", "LlavaNextProcessing"),
+    "LlavaOnevisionForConditionalGeneration": ("llava_next", "LlavaNextModel", "LlavaNextProcessing"),
 }
 # The config's model_type for each, when a config names no architecture.
 MODEL_TYPES = {
@@ -34,6 +36,8 @@ MODEL_TYPES = {
     "smolvlm": "SmolVLMForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

@@ -45,6 +45,14 @@ class Processing:
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
         raise NotImplementedError
 
+    def process_images(
+        self, images: list[Image.Image], overrides: Mapping[str, Any] | None = None
+    ) -> list[ProcessedImage]:
+        """All images of one prompt, in order. Most families process each alone; one whose rules
+        depend on the prompt's other images (LLaVA-OneVision tiles only a prompt's single image)
+        overrides this."""
+        return [self.process(image, overrides) for image in images]
+
 
 @dataclass(slots=True)
 class Positions:

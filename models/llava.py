@@ -106,6 +106,8 @@ class LlavaProcessing(Processing):
 
 
 class LlavaModel(MultimodalModel):
+    extra_weights: tuple[str, ...] = ()  # top-level parameters beside tower, projector and LM
+
     def __init__(
         self, config, vision_tower: nn.Module, language_model: DecoderLM, projector_bias: bool
     ) -> None:
@@ -139,13 +141,18 @@ class LlavaModel(MultimodalModel):
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
         platform: Platform, pack_weights: bool,
     ) -> LlavaModel:  # fmt: skip
-        vision_state, projector_state, lm_state = split_weights(read_weights(path))
+        vision_state, projector_state, lm_state, extra = split_weights(read_weights(path), cls.extra_weights)
         lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops)
         tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
         load_strict(tower, vision_state, "vision tower")
         with torch.device(device), default_dtype(dtype):
             model = cls(config, tower, lm, projector_bias="linear_1.bias" in projector_state)
         load_strict(model.multi_modal_projector, projector_state, "projector")
+        for name in cls.extra_weights:
+            if name not in extra:
+                raise ValueError(f"the checkpoint has no {name!r} weight")
+            with torch.no_grad():
+                getattr(model, name).copy_(extra[name])
         return ready(model, model.vision_tower, platform, pack_weights)
 
     @torch.inference_mode()
@@ -159,12 +166,15 @@ class LlavaModel(MultimodalModel):
         return self.multi_modal_projector(feats.to(self.multi_modal_projector.dtype))
 
 
-def split_weights(state: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
-    """Canonical (vision tower, projector, language model) state dicts from either layout."""
-    vision, projector, lm = {}, {}, {}
+def split_weights(state: dict[str, torch.Tensor], extra_keys: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    """Canonical (vision tower, projector, language model, extra) state dicts from either layout;
+    `extra_keys` are top-level weights (LLaVA-NeXT's `image_newline`)."""
+    vision, projector, lm, extra = {}, {}, {}, {}
     for key, tensor in state.items():
         k = key.removeprefix("model.")
-        if k.startswith("lm_head."):
+        if k in extra_keys:
+            extra[k] = tensor
+        elif k.startswith("lm_head."):
             lm[k] = tensor
         elif k.startswith("language_model."):
             rest = k.removeprefix("language_model.")
@@ -175,4 +185,4 @@ def split_weights(state: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
             projector[k.removeprefix("multi_modal_projector.")] = tensor
         else:
             raise ValueError(f"unexpected weight {key!r} in a LLaVA checkpoint")
-    return vision, projector, lm
+    return vision, projector, lm, extra

@@ -75,6 +75,8 @@ class FamilyReference:
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
     def inputs(self, prompt: str, images: list | None, **kwargs):
+        if images and self.model.config.model_type == "llava_onevision":
+            images = [images]  # one prompt's images, nested: OneVision tiles only a lone image
         return self.processor(text=prompt, images=images or None, return_tensors="pt", **kwargs)
 
     @torch.inference_mode()
@@ -93,6 +95,10 @@ def _build_family(name: str, path):
         from mm_engine.testing_idefics import build_idefics_checkpoint
 
         return build_idefics_checkpoint(path, name, seed=1 if name == "smolvlm" else 0)
+    if name in ("llava_next", "llava_onevision"):
+        from mm_engine.testing import build_anyres_checkpoint
+
+        return build_anyres_checkpoint(path, name)
     if name == "mistral3":
         from mm_engine.testing_mistral3 import build_mistral3_checkpoint
 
@@ -105,7 +111,8 @@ def _build_family(name: str, path):
 @pytest.fixture(scope="session")
 def vl_family(tmp_path_factory):
     """`vl_family(name)`: a tiny checkpoint of that family (qwen2_vl, qwen2_5_vl, qwen3_vl,
-    idefics3, smolvlm, internvl, internvl_qwen3, mistral3), built once per session, and its transformers
+    idefics3, smolvlm, internvl, internvl_qwen3, mistral3, llava_next, llava_onevision), built
+    once per session, and its transformers
     reference."""
     built: dict[str, tuple[str, FamilyReference]] = {}
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_image
-from vl_helpers import assert_all_free, engine, greedy, mm
+from vl_helpers import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
 
 VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-IMG = "<|vision_start|><|image_pad|><|vision_end|> "
 
 
 def prompt(question: str, n_images: int = 0) -> str:
-    return f"<|im_start|>user {IMG * n_images}{question}<|im_end|> <|im_start|>assistant "
+    return family_prompt("qwen2_vl", question, n_images)
 
 
 # (prompt, images, max tokens): one image, two of different sizes (one of 48 tokens, more than a
@@ -37,13 +36,7 @@ def test_mixed_batch_matches_transformers(family, backend, monkeypatch):
     if backend == "triton":
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     path, ref = family
-    llm = engine(path, backend)
-    assert llm.engine.runner.backend.name == backend
-    outs = llm.generate([mm(p, imgs) for p, imgs, _ in BATCH], [greedy(n) for *_, n in BATCH])
-    for out, (text, imgs, n) in zip(outs, BATCH, strict=True):
-        assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
-        assert out.prompt_token_ids == ref.inputs(text, imgs)["input_ids"][0].tolist()
-    assert_all_free(llm)
+    run_batch_against(ref, path, backend, BATCH)
 
 
 def test_an_image_longer_than_the_step_budget_is_split_across_chunks(family):
@@ -106,41 +99,6 @@ def test_preemption_recomputes_with_the_same_positions(family):
     for out, (text, imgs, n) in zip(outs, batch, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n + 6), text
     assert_all_free(llm)
-
-
-def test_repeated_image_reuses_prefix_and_is_encoded_once(family):
-    path, ref = family
-    llm = engine(path, "torch")
-    img = make_image(9, (100, 60))
-    first = [(prompt("what is this", 1), [img]), (prompt("what color is the circle", 1), [img])]
-    outs = llm.generate([mm(p, i) for p, i in first], greedy(6))
-    for out, (text, imgs) in zip(outs, first, strict=True):
-        assert out.outputs[0].token_ids == ref.generate(text, imgs, 6)
-    assert outs[1].num_cached_tokens > 0  # the shared prompt start, image included
-    assert llm.engine.runner.num_encoded_images == 1
-    # The same picture after different text: no shared prefix, but the encoder cache has it.
-    late = prompt(f"tell me about this photo {IMG}please")
-    out = llm.generate(mm(late, [img]), greedy(6))[0]
-    assert out.outputs[0].token_ids == ref.generate(late, [img], 6)
-    assert llm.engine.runner.num_encoded_images == 1
-    assert_all_free(llm)
-
-
-def test_chat_goes_through_the_checkpoint_template(family):
-    from api_helpers import data_url, image_bytes
-
-    path, ref = family
-    img = make_image(7, (50, 40))
-    url = data_url(image_bytes(7, size=(50, 40)))
-    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this"}]
-    out = engine(path).chat([{"role": "user", "content": parts}], greedy(8))[0]
-    text = ref.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    assert out.prompt == text
-    assert out.outputs[0].token_ids == ref.generate(text, [img], 8)
 
 
 def test_mm_processor_kwargs_per_server_and_per_request(vl_family):

@@ -10,19 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_image
-from vl_helpers import assert_all_free, engine, greedy, mm
+from vl_helpers import assert_all_free, engine, greedy, mm, run_batch_against
+from vl_helpers import family_prompt as prompt
 
 FAMILIES = ["idefics3", "smolvlm", "internvl", "mistral3"]
 # InternVL3.5: the same tower with a Qwen3 language model (q/k norms).
 ALL = [*FAMILIES, "internvl_qwen3"]
-
-
-def prompt(family: str, question: str, n_images: int = 0) -> str:
-    if family.startswith("internvl"):
-        return f"<|im_start|>user {'<IMG_CONTEXT> ' * n_images}{question}<|im_end|> <|im_start|>assistant "
-    if family == "mistral3":
-        return f"<s>[INST]{'[IMG]' * n_images} {question}[/INST]"
-    return f"<|endoftext|>User:{'<image>' * n_images} {question}<end_of_utterance>\nAssistant:"
 
 
 def batch(family: str) -> list[tuple[str, list, int]]:
@@ -45,14 +38,7 @@ def test_mixed_batch_matches_transformers(family, backend, monkeypatch):
     if backend == "triton":
         monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     name, path, ref = family
-    llm = engine(path, backend)
-    assert llm.engine.runner.backend.name == backend
-    cases = batch(name)
-    outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
-    for out, (text, imgs, n) in zip(outs, cases, strict=True):
-        assert out.prompt_token_ids == ref.inputs(text, imgs)["input_ids"][0].tolist()
-        assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
-    assert_all_free(llm)
+    run_batch_against(ref, path, backend, batch(name))
 
 
 def test_runs_carry_embeddings_only_at_image_tokens_and_pick_pools_by_them(family):
@@ -108,42 +94,6 @@ def test_processing_equals_the_hf_processor(vl_family, mode):
         pixels = pixels if name.startswith("internvl") else pixels[0]
         torch.testing.assert_close(torch.cat([s.pixel_values for s in spans]), pixels)
         assert len({s.content_hash for s in spans}) == len(spans)
-
-
-def test_repeated_image_reuses_prefix_and_is_encoded_once(family):
-    name, path, ref = family
-    llm = engine(path, "torch")
-    img = make_image(9, (100, 60))
-    first = [(prompt(name, "what is this", 1), [img]), (prompt(name, "what color is the circle", 1), [img])]
-    outs = llm.generate([mm(p, i) for p, i in first], greedy(6))
-    for out, (text, imgs) in zip(outs, first, strict=True):
-        assert out.outputs[0].token_ids == ref.generate(text, imgs, 6)
-    assert outs[1].num_cached_tokens > 0
-    assert llm.engine.runner.num_encoded_images == 1
-    late = prompt(name, f"tell me about this photo {llm.engine.inputs.image_token} please")
-    out = llm.generate(mm(late, [img]), greedy(6))[0]
-    assert out.outputs[0].token_ids == ref.generate(late, [img], 6)
-    assert llm.engine.runner.num_encoded_images == 1
-    assert_all_free(llm)
-
-
-def test_chat_goes_through_the_checkpoint_template(family):
-    from api_helpers import data_url, image_bytes
-
-    name, path, ref = family
-    img = make_image(7, (50, 40))
-    parts = [
-        {"type": "image_url", "image_url": {"url": data_url(image_bytes(7, size=(50, 40)))}},
-        {"type": "text", "text": "what is this"},
-    ]
-    out = engine(path).chat([{"role": "user", "content": parts}], greedy(8))[0]
-    text = ref.processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    assert out.prompt == text
-    assert out.outputs[0].token_ids == ref.generate(text, [img], 8)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,25 @@ from conftest import TEST_DEVICE
 
 from mm_engine import LLM, SamplingParams
 
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|> "
+ALL_FAMILIES = [
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "internvl", "internvl_qwen3",
+    "mistral3", "llava_next", "llava_onevision",
+]  # fmt: skip
+
+
+def family_prompt(family: str, question: str, n_images: int = 0) -> str:
+    """A raw prompt in the family's format with `n_images` placeholders before the question."""
+    if family.startswith("qwen"):
+        return f"<|im_start|>user {QWEN_IMAGE * n_images}{question}<|im_end|> <|im_start|>assistant "
+    if family.startswith("internvl"):
+        return f"<|im_start|>user {'<IMG_CONTEXT> ' * n_images}{question}<|im_end|> <|im_start|>assistant "
+    if family == "mistral3":
+        return f"<s>[INST]{'[IMG]' * n_images} {question}[/INST]"
+    if family.startswith("llava"):
+        return f"USER: {'<image> ' * n_images}{question} ASSISTANT:"
+    return f"<|endoftext|>User:{'<image>' * n_images} {question}<end_of_utterance>\nAssistant:"
+
 
 def mm(text: str, images: list) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images}}
@@ -28,3 +47,16 @@ def assert_all_free(llm: LLM) -> None:
     for pool in ("text", "image"):
         assert report[pool]["used_blocks"] == 0
         assert report[pool]["free_blocks"] + report[pool]["cached_blocks"] == report[pool]["total_blocks"]
+
+
+def run_batch_against(ref, path: str, backend: str, cases: list[tuple[str, list, int]], **kwargs) -> list:
+    """Run `(prompt, images, max tokens)` cases as one batch on `backend`; every prompt's ids and
+    greedy tokens must equal transformers' (`ref`), and every block must be free afterwards."""
+    llm = engine(path, backend, **kwargs)
+    assert llm.engine.runner.backend.name == backend
+    outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+    for out, (text, imgs, n) in zip(outs, cases, strict=True):
+        assert out.prompt_token_ids == ref.inputs(text, imgs)["input_ids"][0].tolist(), text
+        assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
+    assert_all_free(llm)
+    return outs
