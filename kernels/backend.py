@@ -38,6 +38,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window of this layer (keys at positions > p - window)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of query
         ...
 

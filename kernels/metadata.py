@@ -10,6 +10,11 @@ KV layout (shared by every backend): per layer one K tensor and one V tensor of 
 `[num_blocks, block_size, num_kv_heads, head_dim]`. Token `t` of sequence `i` lives in block
 `block_tables[i, t // block_size]` at offset `t % block_size`; its flat slot is
 `block * block_size + offset`. Image-pool and text-pool blocks are indices into the same tensor.
+
+Two departures from causal attention, both optional: `bidirectional` gives each new token a range
+`[start, end)` of positions it also sees (Gemma 3: the tokens of one image see each other in both
+directions; outside images the range is empty), and a layer may pass a sliding `window` to
+`attend` (a query at position p sees keys at positions > p - window).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class AttentionMetadata:
     # Host copies, so a backend that loops over sequences never syncs with the device.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # int64 [num_tokens] each, positions: what each new token sees besides the causal prefix.
+    bidirectional: tuple[torch.Tensor, torch.Tensor] | None = None
     # What a backend works out from the batch (which sequences are decodes, their index tensors),
     # worked out by the first layer and kept here for the others: it is the same for all of them.
     derived: dict[str, Any] = field(default_factory=dict)

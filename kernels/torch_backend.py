@@ -115,7 +115,10 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None or meta.bidirectional is not None:
+            return self._masked(query, k_cache, v_cache, meta, scale, window)
         num_heads = query.shape[1]
         plan = meta.derived.get(self.name)
         if plan is None:
@@ -207,6 +210,33 @@ class TorchBackend:
             enable_gqa=num_heads != num_kv_heads,
         )
         return o.transpose(0, 1).to(q.dtype)
+
+    def _masked(self, query, k_cache, v_cache, meta, scale: float, window: int | None) -> torch.Tensor:
+        """Every sequence with its own explicit mask: causal, plus each token's bidirectional range,
+        within the sliding window. (The C kernels do not take these masks yet: the torch path
+        answers for the cpu backend too.)"""
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        block_size, num_kv_heads = k_cache.shape[1:3]
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            n_blocks = -(-seq_len // block_size)
+            k = self._gather(k_cache, meta.block_tables[i : i + 1], n_blocks)[0, :, :seq_len]
+            v = self._gather(v_cache, meta.block_tables[i : i + 1], n_blocks)[0, :, :seq_len]
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if meta.bidirectional is not None:
+                lo, hi = (t[start : start + q_len, None] for t in meta.bidirectional)
+                mask |= (k_pos >= lo) & (k_pos < hi)
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            q = query[start : start + q_len].transpose(0, 1).to(k.dtype)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != num_kv_heads
+            )
+            out[start : start + q_len] = o.transpose(0, 1).to(query.dtype)
+            start += q_len
+        return out
 
     def _decode(self, q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
         """One query token per sequence: q `[n, H, D]` -> `[n, H, D]`."""

@@ -80,6 +80,9 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None or meta.bidirectional is not None:
+            raise ValueError("the Triton kernels take neither sliding windows nor bidirectional ranges yet")
         num_splits = self.splits_for(meta, k_cache.shape[2], query.device)
         return paged_attention(query, k_cache, v_cache, meta, scale, num_splits=num_splits)

@@ -98,7 +98,14 @@ class LLMEngine:
             self.encoder_budget,
             self.swap,
             config.max_waiting_requests,
+            whole_images=self.model.bidirectional_images,
         )
+        if self.model.bidirectional_images and backend.name == "triton":
+            raise ValueError(
+                f"{self.hf_config.architectures[0]} needs attention with bidirectional image ranges "
+                "and sliding windows, which the Triton kernels do not take yet; use "
+                "attention_backend='cpu' or 'torch'"
+            )
         self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -159,6 +166,12 @@ class LLMEngine:
         emb = self.model.language_model.embed_tokens
         per_embed = (1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size()
         for k, span in enumerate(spans):
+            if self.model.bidirectional_images and span.length > self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"image {k} takes {span.length} tokens, more than one step's budget "
+                    f"(max_num_batched_tokens={self.config.max_num_batched_tokens}); this model prefills "
+                    "an image in one step, so raise max_num_batched_tokens"
+                )
             if span.length > self.max_image_tokens:
                 raise ValueError(
                     f"image {k} takes {span.length} tokens, more than max_image_tokens="

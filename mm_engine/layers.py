@@ -41,9 +41,13 @@ class Rotary(nn.Module):
     With `mrope_streams` (the Qwen VL line), positions are `[3, tokens]` (temporal, height, width)
     and frequency `k` of each head turns with the position of axis `mrope_streams[k]`."""
 
-    def __init__(self, config, head_dim: int, mrope_streams: list[int] | None = None) -> None:
+    def __init__(
+        self, config, head_dim: int, mrope_streams: list[int] | None = None, layer_type: str | None = None
+    ) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        if layer_type is not None:  # Gemma 3: one set of parameters per layer type
+            params = params[layer_type]
         rope_type = params.get("rope_type", "default")
         if rope_type in ("dynamic", "longrope"):
             raise ValueError(f"rope type {rope_type!r} depends on sequence length and is not supported")
@@ -51,7 +55,8 @@ class Rotary(nn.Module):
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
             self.scaling = 1.0
         else:
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, **kwargs)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         if mrope_streams is not None and len(mrope_streams) != inv_freq.numel():
             raise ValueError(

@@ -49,6 +49,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[int] = []
+        bidirectional: list[tuple[torch.Tensor, int, int]] = []  # (flat rows, image's lo, hi)
         embed_rows: list[torch.Tensor] = []  # flat rows that take vision embeddings
         embed_feats: list[torch.Tensor] = []  # and those embeddings, [rows, 1 + deepstack, hidden]
         sample_rows: list[int] = []
@@ -66,10 +67,14 @@ class ModelRunner:
                     feats = self._held[req.request_id][j][first : first + rows.numel()]
                     embed_rows.append(rows + (row0 + span.offset - start))
                     embed_feats.append(feats)
+                    if self.model.bidirectional_images:
+                        bidirectional.append((embed_rows[-1], *_embed_range(span)))
             if end == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(k)
         meta = self._metadata(items, slots)
+        if bidirectional:
+            meta.bidirectional = self._ranges(len(ids), bidirectional)
         lm = self.model.language_model
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         deepstack = None
@@ -90,6 +95,16 @@ class ModelRunner:
         logits = lm.logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
         self._drop_used_images(items)
         return logits, sampling
+
+    def _ranges(
+        self, n: int, pieces: list[tuple[torch.Tensor, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per flat row, the positions `[lo, hi)` it sees in both directions: its image's
+        embedding positions for an image's embedding rows, none for every other row."""
+        lo, hi = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+        for rows, a, b in pieces:
+            lo[rows], hi[rows] = a, b
+        return lo.to(self.device), hi.to(self.device)
 
     def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Rotary positions of tokens `[start, end)`: `[n]`, or `[3, n]` for an M-RoPE model, whose
@@ -170,3 +185,12 @@ def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:
     mask = torch.tensor(span.embed_mask[:b], dtype=torch.bool)
     first = int(mask[:a].sum())
     return torch.nonzero(mask[a:b]).flatten() + a, first
+
+
+def _embed_range(span: ImageSpan) -> tuple[int, int]:
+    """Prompt positions `[lo, hi)` from an image's first to its last embedding position."""
+    if span.embed_mask is None:
+        return span.offset, span.offset + span.length
+    first = span.embed_mask.index(True)
+    last = len(span.embed_mask) - 1 - span.embed_mask[::-1].index(True)
+    return span.offset + first, span.offset + last + 1

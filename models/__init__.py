@@ -25,6 +25,7 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "Mistral3ForConditionalGeneration": ("mistral3", "Mistral3Model", "PixtralProcessing"),
     "LlavaNextForConditionalGeneration": ("llava_next", "LlavaNextModel", "LlavaNextProcessing"),
     "LlavaOnevisionForConditionalGeneration": ("llava_next", "LlavaNextModel", "LlavaNextProcessing"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3Model", "Gemma3Processing"),
 }
 # The config's model_type for each, when a config names no architecture.
 MODEL_TYPES = {
@@ -38,6 +39,7 @@ MODEL_TYPES = {
     "mistral3": "Mistral3ForConditionalGeneration",
     "llava_next": "LlavaNextForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

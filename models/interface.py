@@ -70,6 +70,9 @@ class MultimodalModel(nn.Module):
     image_token_id: int
     uses_mrope: bool = False  # positions are [3, tokens] (Qwen) rather than [tokens]
     num_deepstack: int = 0  # extra per-layer features each image token adds (Qwen3-VL)
+    # An image's embedding tokens attend to each other in both directions during prefill (Gemma 3):
+    # the runner passes their ranges to attention, the scheduler never splits an image.
+    bidirectional_images: bool = False
 
     @property
     def vision_dtype(self) -> torch.dtype:

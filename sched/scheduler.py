@@ -10,7 +10,9 @@ Each step walks running and waiting requests together in rank order (the policy'
   ranked above it (the second question about an image that the first is prefilling) waits a
   step, so that it reuses those blocks instead of computing them again, and lets the ones behind
   it go ahead.
-A chunk also stops before an image that the per-step encoder budget cannot encode.
+A chunk also stops before an image that the per-step encoder budget cannot encode, and, with
+`whole_images` (Gemma 3: an image's tokens attend to each other in both directions, so all its keys
+must be written before any of its queries runs), before an image it would otherwise split.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Scheduler:
         encoder_budget: int,
         swap: HostSwap | None = None,
         max_waiting_requests: int = 10_000,
+        whole_images: bool = False,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
@@ -59,6 +62,7 @@ class Scheduler:
         self.encoder_budget = encoder_budget
         self.swap = swap  # None: preemption recomputes
         self.max_waiting_requests = max_waiting_requests
+        self.whole_images = whole_images
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -106,6 +110,8 @@ class Scheduler:
         """Tokens this request may compute now, and the image tokens to encode for them."""
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, self._budget)
+        if self.whole_images:
+            n = self._not_inside_an_image(req, start, n)
         cost = 0
         for j, span in enumerate(req.images):
             if span.offset >= start + n:
@@ -119,6 +125,17 @@ class Scheduler:
                 return max(0, span.offset - start), cost  # stop before the image that does not fit
             cost += span.num_embeds
         return n, cost
+
+    @staticmethod
+    def _not_inside_an_image(req: Request, start: int, n: int) -> int:
+        """`n` cut so that the chunk does not end inside an image: to the image's start, or to
+        nothing when the chunk would start there (the image then waits for a step whose budget
+        holds it whole; `check_fits` made sure one can)."""
+        end = start + n
+        for span in req.images:
+            if span.offset < end < span.offset + span.length:
+                return max(0, span.offset - start)
+        return n
 
     def _take(self, req: Request, n: int, cost: int, batch: ScheduledBatch) -> None:
         batch.items.append((req, n))

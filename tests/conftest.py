@@ -99,6 +99,10 @@ def _build_family(name: str, path):
         from mm_engine.testing import build_anyres_checkpoint
 
         return build_anyres_checkpoint(path, name)
+    if name == "gemma3":
+        from mm_engine.testing_gemma3 import build_gemma3_checkpoint
+
+        return build_gemma3_checkpoint(path)
     if name == "mistral3":
         from mm_engine.testing_mistral3 import build_mistral3_checkpoint
 
@@ -111,7 +115,7 @@ def _build_family(name: str, path):
 @pytest.fixture(scope="session")
 def vl_family(tmp_path_factory):
     """`vl_family(name)`: a tiny checkpoint of that family (qwen2_vl, qwen2_5_vl, qwen3_vl,
-    idefics3, smolvlm, internvl, internvl_qwen3, mistral3, llava_next, llava_onevision), built
+    idefics3, smolvlm, internvl, internvl_qwen3, mistral3, llava_next, llava_onevision, gemma3), built
     once per session, and its transformers
     reference."""
     built: dict[str, tuple[str, FamilyReference]] = {}

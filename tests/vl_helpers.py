@@ -10,7 +10,7 @@ from mm_engine import LLM, SamplingParams
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|> "
 ALL_FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "internvl", "internvl_qwen3",
-    "mistral3", "llava_next", "llava_onevision",
+    "mistral3", "llava_next", "llava_onevision", "gemma3",
 ]  # fmt: skip
 
 
@@ -22,6 +22,9 @@ def family_prompt(family: str, question: str, n_images: int = 0) -> str:
         return f"<|im_start|>user {'<IMG_CONTEXT> ' * n_images}{question}<|im_end|> <|im_start|>assistant "
     if family == "mistral3":
         return f"<s>[INST]{'[IMG]' * n_images} {question}[/INST]"
+    if family == "gemma3":
+        images = "<start_of_image>" * n_images
+        return f"<bos><start_of_turn>user\n{images} {question}<end_of_turn>\n<start_of_turn>model\n"
     if family.startswith("llava"):
         return f"USER: {'<image> ' * n_images}{question} ASSISTANT:"
     return f"<|endoftext|>User:{'<image>' * n_images} {question}<end_of_utterance>\nAssistant:"
