@@ -20,8 +20,10 @@ GEMMA3_CHAT_TEMPLATE = (
     "<bos>{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
 
@@ -29,7 +31,9 @@ def build_gemma3_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizer
     fast = word_tokenizer(
         GEMMA3_SPECIAL, "user model", vocab_size, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         extra_special_tokens={
-            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
         },
     )  # fmt: skip
     fast.add_tokens(["\n"])  # a token of its own, as in the real vocabulary

@@ -29,6 +29,7 @@ from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processi
 from mm_engine.models.weights import (
     default_dtype,
     load_strict,
+    load_tower_and_projector,
     read_weights,
     ready,
     route_tower_projector_lm,
@@ -105,7 +106,6 @@ class Gemma3Model(MultimodalModel):
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
         platform: Platform, pack_weights: bool,
     ) -> MultimodalModel:  # fmt: skip
-        from transformers import AutoModel
         from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
         parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "Gemma 3")
@@ -114,9 +114,8 @@ class Gemma3Model(MultimodalModel):
             lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops)
         load_strict(lm, lm_state, "language model")
         lm.fuse_projections()
-        tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-        load_strict(tower, parts.get("vision", {}), "vision tower")
-        projector = Gemma3MultiModalProjector(config).to(device=device, dtype=dtype)  # in the LM's dtype
-        load_strict(projector, parts.get("projector", {}), "projector")
+        tower, projector = load_tower_and_projector(
+            parts, config, Gemma3MultiModalProjector, dtype, vision_dtype, device
+        )
         model = cls(config, tower, projector, lm)
         return ready(model, model.vision_tower, platform, pack_weights)

@@ -27,7 +27,7 @@ from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processi
 from mm_engine.models.options import positive_option
 from mm_engine.models.weights import (
     build_language_model,
-    load_strict,
+    load_tower_and_projector,
     read_weights,
     ready,
     route_tower_projector_lm,
@@ -150,14 +150,12 @@ class InternVLModel(MultimodalModel):
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
         platform: Platform, pack_weights: bool,
     ) -> MultimodalModel:  # fmt: skip
-        from transformers import AutoModel
         from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
 
         parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "InternVL")
         lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
-        tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-        load_strict(tower, parts.get("vision", {}), "vision tower")
-        projector = InternVLMultiModalProjector(config).to(device=device, dtype=dtype)  # in the LM's dtype
-        load_strict(projector, parts.get("projector", {}), "projector")
+        tower, projector = load_tower_and_projector(
+            parts, config, InternVLMultiModalProjector, dtype, vision_dtype, device
+        )
         model = cls(config, tower, projector, lm)
         return ready(model, model.vision_tower, platform, pack_weights)

@@ -28,7 +28,7 @@ from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processi
 from mm_engine.models.options import longest_edge
 from mm_engine.models.weights import (
     build_language_model,
-    load_strict,
+    load_tower_and_projector,
     read_weights,
     ready,
     route_tower_projector_lm,
@@ -113,14 +113,12 @@ class Mistral3Model(MultimodalModel):
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
         platform: Platform, pack_weights: bool,
     ) -> MultimodalModel:  # fmt: skip
-        from transformers import AutoModel
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
         parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "Mistral3")
         lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
-        tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-        load_strict(tower, parts.get("vision", {}), "vision tower")
-        projector = Mistral3MultiModalProjector(config).to(device=device, dtype=dtype)  # in the LM's dtype
-        load_strict(projector, parts.get("projector", {}), "projector")
+        tower, projector = load_tower_and_projector(
+            parts, config, Mistral3MultiModalProjector, dtype, vision_dtype, device
+        )
         model = cls(config, tower, projector, lm)
         return ready(model, model.vision_tower, platform, pack_weights)
