@@ -10,6 +10,11 @@ Split-KV (flash-decoding): with NUM_SPLITS > 1 a third grid axis cuts each key r
 of `seg_len` keys. Each program writes its normalized partial output and the log-sum-exp of its
 scores; `_merge_splits_kernel` then weighs the partials by their LSE. This keeps the GPU busy when a
 decode batch has few, long sequences and the plain grid would leave most SMs idle.
+
+Two optional departures from causal attention (AttentionMetadata): with `bidirectional`, each new
+token also sees the positions `[lo, hi)` of its row (an image's tokens see each other; the key
+range of a tile grows to the largest `hi` of its rows), and with a sliding `window` a query at
+position p sees only keys above p - window (the tile starts its key walk there).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    bidir_lo_ptr,  # int64 [num_tokens]: with HAS_BIDIR, the positions each token sees both ways
+    bidir_hi_ptr,
+    window,  # with HAS_WINDOW: keys at positions > q_pos - window
     scale_log2,
     stride_qt,
     stride_qh,
@@ -62,6 +70,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_BIDIR: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_tiles
     q_start = (tl.program_id(0) % num_q_tiles) * BLOCK_Q
@@ -92,9 +102,15 @@ def _paged_attention_kernel(
     # Causality: the tile's last row sees keys up to its own position, no row sees further.
     kv_hi = tl.minimum(seq_len, ctx_len + q_start + BLOCK_Q)
     kv_lo = 0
+    if HAS_BIDIR:  # ... except an image's rows, which see up to their image's end
+        b_lo = tl.load(bidir_lo_ptr + tok_global, mask=row_valid, other=0)
+        b_hi = tl.load(bidir_hi_ptr + tok_global, mask=row_valid, other=0)
+        kv_hi = tl.minimum(seq_len, tl.maximum(kv_hi, tl.max(b_hi, 0).to(tl.int32)))
+    if HAS_WINDOW:  # the tile's first row sees nothing at or below its position - window
+        kv_lo = tl.maximum(ctx_len + q_start - window + 1, 0)
     if NUM_SPLITS > 1:
-        kv_lo = split * seg_len
-        kv_hi = tl.minimum(kv_hi, kv_lo + seg_len)
+        kv_lo = tl.maximum(kv_lo, split * seg_len)
+        kv_hi = tl.minimum(kv_hi, split * seg_len + seg_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -111,7 +127,12 @@ def _paged_attention_kernel(
         k_off = block * stride_kb + offset * stride_ks + kv_head64 * stride_kh
         k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        seen = pos[None, :] <= q_pos[:, None]
+        if HAS_BIDIR:
+            seen = seen | ((pos[None, :] >= b_lo[:, None]) & (pos[None, :] < b_hi[:, None]))
+        if HAS_WINDOW:
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
+        visible = pos_valid[None, :] & seen
         s = tl.where(visible, s * scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -209,6 +230,7 @@ def paged_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the batch's new queries `[num_tokens, num_heads, head_dim]` over the paged K/V.
 
@@ -251,6 +273,8 @@ def paged_attention(
         part_out = out
         part_lse = out
     num_q_tiles = triton.cdiv(meta.max_query_len, block_q)
+    bidir = meta.bidirectional
+    b_lo, b_hi = bidir if bidir is not None else (meta.slot_mapping, meta.slot_mapping)  # unread
 
     grid = (meta.num_seqs * num_q_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
@@ -263,6 +287,9 @@ def paged_attention(
         meta.query_start_loc,
         meta.seq_lens,
         block_tables,
+        b_lo,
+        b_hi,
+        window or 0,
         scale * math.log2(math.e),
         query.stride(0),
         query.stride(1),
@@ -292,6 +319,8 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         # float32 inputs get exact float32 products (as torch does by default), not TF32.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        HAS_BIDIR=bidir is not None,
+        HAS_WINDOW=window is not None,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -82,7 +82,5 @@ class TritonBackend:
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None or meta.bidirectional is not None:
-            raise ValueError("the Triton kernels take neither sliding windows nor bidirectional ranges yet")
         num_splits = self.splits_for(meta, k_cache.shape[2], query.device)
-        return paged_attention(query, k_cache, v_cache, meta, scale, num_splits=num_splits)
+        return paged_attention(query, k_cache, v_cache, meta, scale, num_splits=num_splits, window=window)

@@ -100,12 +100,6 @@ class LLMEngine:
             config.max_waiting_requests,
             whole_images=self.model.bidirectional_images,
         )
-        if self.model.bidirectional_images and backend.name == "triton":
-            raise ValueError(
-                f"{self.hf_config.architectures[0]} needs attention with bidirectional image ranges "
-                "and sliding windows, which the Triton kernels do not take yet; use "
-                "attention_backend='cpu' or 'torch'"
-            )
         self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_image
-from vl_helpers import engine, family_prompt, greedy, mm, run_batch_against
+from vl_helpers import engine, family_prompt, greedy, mm
 
 LONG = " ".join(["what is this picture"] * 8)  # 32 words: longer than the sliding window
 
@@ -48,8 +48,10 @@ def _watch_chunks(llm) -> list:
     return steps
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_transformers_and_never_splits_an_image(gemma, backend):
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_mixed_batch_matches_transformers_and_never_splits_an_image(gemma, backend, monkeypatch):
+    if backend == "triton":
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     path, ref = gemma
     llm = engine(path, backend)
     steps = _watch_chunks(llm)
@@ -98,17 +100,21 @@ def test_an_image_longer_than_a_step_is_refused_by_name(gemma):
     assert llm.generate(prompt("what is this"), greedy(2))[0].finished
 
 
-def test_triton_refuses_it_by_name(gemma):
-    path, _ = gemma
-    with pytest.raises(ValueError, match="bidirectional image ranges"):
-        engine(path, "triton")
+@pytest.mark.parametrize("path", ["torch", "triton", "triton-split"])
+def test_masked_attention_equals_a_dense_reference(path):
+    """Each attention path's masks (causal, bidirectional ranges, sliding window) on a paged cache
+    against SDPA over the same K/V laid out densely. Triton runs under its interpreter here (on a
+    GPU with MM_ENGINE_TEST_DEVICE=cuda it runs compiled); "triton-split" is its split-KV path."""
+    from conftest import TEST_DEVICE
 
-
-def test_masked_attention_equals_a_dense_reference():
-    """The torch path's masks (causal, bidirectional ranges, sliding window) on a paged cache
-    against SDPA over the same K/V laid out densely."""
     from mm_engine.kernels.metadata import AttentionMetadata
     from mm_engine.kernels.torch_backend import TorchBackend
+
+    if path.startswith("triton") and TEST_DEVICE.type == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the Triton interpreter")
 
     g = torch.Generator().manual_seed(0)
     bs, kvh, h, d = 4, 2, 4, 16
@@ -139,7 +145,23 @@ def test_masked_attention_equals_a_dense_reference():
         bidirectional=(lo, hi),
     )
     for window in (None, 5):
-        got = TorchBackend().attend(query, k_cache, v_cache, meta, 0.25, window=window)
+        if path == "torch":
+            got = TorchBackend().attend(query, k_cache, v_cache, meta, 0.25, window=window)
+        else:
+            from mm_engine.kernels.triton_attention import paged_attention
+
+            dev = TEST_DEVICE
+            moved = AttentionMetadata(
+                **{f: getattr(meta, f).to(dev) for f in ("query_start_loc", "seq_lens", "block_tables")},
+                slot_mapping=meta.slot_mapping.to(dev),
+                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                query_lens_cpu=meta.query_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu,
+                bidirectional=tuple(t.to(dev) for t in meta.bidirectional),
+            )  # fmt: skip
+            splits = 2 if path == "triton-split" else 1
+            got = paged_attention(
+                query.to(dev), k_cache.to(dev), v_cache.to(dev), moved, 0.25, num_splits=splits, window=window
+            ).cpu()
         row = 0
         for i, (length, n) in enumerate(seqs):
             k = k_cache[blocks[i]].reshape(-1, kvh, d)[:length].transpose(0, 1)
@@ -170,6 +192,3 @@ def test_processing_equals_the_hf_processor(gemma, mode):
     assert ids == want["input_ids"][0].tolist()
     torch.testing.assert_close(torch.stack([s.pixel_values for s in spans]), want["pixel_values"])
     assert [s.embed_mask.count(True) for s in spans] == [4, 4, 4]
-
-
-del run_batch_against  # the Triton backend does not take Gemma 3 yet: the batch runs above
