@@ -47,7 +47,7 @@ TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cac
 
 # 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
-    tests/test_qwen_vl.py tests/test_tiled_vl.py -k triton
+    tests/test_qwen_vl.py tests/test_tiled_vl.py tests/test_anyres_vl.py tests/test_gemma3.py -k "triton"
 
 # 2. The README's first command on the GPU (demo model, float16).
 TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \

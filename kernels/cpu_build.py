@@ -73,7 +73,8 @@ SIGNATURES = {
     "paged_prefill": [
         *(_P, _I64, _I64, _P, _P, _I64, _I64, _I64),  # q and its strides, k, v and their strides
         *(_P, _I64, _P, _P, _P, _I32, _P),  # tables, starts, query and sequence lengths, n, out
-        *(_I32, _I32, _I32, _I32, _F32, _I32, _I32),  # heads, kv heads, block, dim, scale, causal
+        *(_I32, _I32, _I32, _I32, _F32, _I32),  # heads, kv heads, block, dim, scale, causal
+        *(_P, _I32, _I32),  # per-token bidirectional ends (or NULL), window (0: none), threads
     ],
     "silu_and_mul": [_P, _I64, _P, _I64, _I64, _I32],
     "gelu_tanh_": [_P, _I64, _I32],

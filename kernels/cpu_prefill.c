@@ -3,6 +3,10 @@
  * A sequence's new tokens sit at the end of its context: query j of a q_len-token chunk is at
  * position seq_len - q_len + j and, when causal, sees keys 0 .. that position (the cached context
  * and the chunk so far). Without `causal` every query sees every key (a vision encoder's images).
+ * Two optional widenings and narrowings of the causal rule: `bidir_hi` (per query token, or NULL)
+ * lets a token also see keys up to bidir_hi - 1 (its image's end: Gemma 3's image tokens see each
+ * other; an image range always holds the token itself, so what a row sees stays one run of keys),
+ * and `window` > 0 keeps only keys above position - window (sliding-window layers).
  *
  * K and V are addressed through a block table and three strides (block, head, slot; the head dim
  * is contiguous), so the same code reads the paged pool ([block, kv_head, slot, dim]) and a vision
@@ -158,16 +162,17 @@ static inline void score_tile(const float *const q[SCORE_ROWS], const float *kt,
     }
 }
 
-/* Row scores -> unnormalised weights exp(s - max) over its `visible` keys, zeros after them up to
- * n_keys; returns 1 / their sum. */
-static inline float softmax_row(float *s, int visible, int n_keys) {
+/* Row scores -> unnormalised weights exp(s - max) over its visible keys first .. visible - 1, zeros
+ * before and after them up to n_keys; returns 1 / their sum. */
+static inline float softmax_row(float *s, int first, int visible, int n_keys) {
     float best = -INFINITY, sum = 0.f;
-    for (int j = 0; j < visible; j++) best = s[j] > best ? s[j] : best;
+    for (int j = first; j < visible; j++) best = s[j] > best ? s[j] : best;
 #pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < visible; j++) {
+    for (int j = first; j < visible; j++) {
         s[j] = mm_expf(s[j] - best);
         sum += s[j];
     }
+    memset(s, 0, sizeof(float) * first);
     memset(s + visible, 0, sizeof(float) * (n_keys - visible));
     return 1.f / sum;
 }
@@ -208,6 +213,8 @@ typedef struct {
     float *out;
     int heads, group, tile_tokens, causal;
     float scale;
+    const int64_t *bidir_hi; /* per query token: it also sees keys below this (NULL: none) */
+    int window;              /* > 0: keys above position - window only */
 } job_t;
 
 /* One unit: query tokens t0 .. t0 + tile_tokens of sequence i against KV head h, its keys already
@@ -221,7 +228,12 @@ static void attend_tile(const job_t *job, int i, int h, int t0, const float *kt,
     const int first_pos = seq_len - q_len + t0, rows = tn * group;
     const int score_rows = (int)round_up(rows, SCORE_ROWS), value_rows = (int)round_up(rows, VALUE_ROWS);
     const int rows_up = score_rows > value_rows ? score_rows : value_rows;
-    const int n_keys = job->causal ? first_pos + tn : seq_len; /* what the tile's last token sees */
+    int n_keys = job->causal ? first_pos + tn : seq_len; /* what the tile's last token sees */
+    if (job->bidir_hi)                                   /* ... or any of its image tokens */
+        for (int t = 0; t < tn; t++) {
+            const int64_t hi = job->bidir_hi[job->q_starts[i] + t0 + t];
+            n_keys = hi > n_keys ? (int)(hi < seq_len ? hi : seq_len) : n_keys;
+        }
     const int64_t kpad = round_up(seq_len, LANES), ss = round_up(n_keys, LANES);
     float inv[TILE_ROWS + PAD_ROWS];
     /* Row r is token t0 + r / group, query head h * group + r % group (padding rows read zeros).
@@ -234,8 +246,14 @@ static void attend_tile(const job_t *job, int i, int h, int t0, const float *kt,
     for (int j = 0; j < n_keys; j += KEYS)
         for (int r0 = 0; r0 < score_rows; r0 += SCORE_ROWS) score_tile(qr + r0, kt, kpad, dim, j, ss, job->scale, s + r0 * ss);
     for (int row = 0; row < rows_up; row++) {
-        const int visible = row >= rows ? 0 : job->causal ? first_pos + row / group + 1 : n_keys;
-        inv[row] = row < rows ? softmax_row(s + row * ss, visible, n_keys) : 0.f;
+        const int pos = first_pos + row / group;
+        int visible = row >= rows ? 0 : job->causal ? pos + 1 : n_keys, first = 0;
+        if (row < rows && job->bidir_hi) {
+            const int64_t hi = job->bidir_hi[job->q_starts[i] + t0 + row / group];
+            visible = hi > visible ? (int)(hi < n_keys ? hi : n_keys) : visible;
+        }
+        if (row < rows && job->window > 0 && pos - job->window + 1 > 0) first = pos - job->window + 1;
+        inv[row] = row < rows ? softmax_row(s + row * ss, first, visible, n_keys) : 0.f;
         if (row >= rows) memset(s + row * ss, 0, sizeof(float) * n_keys);
     }
     /* Values: each group of VALUE_ROWS rows written straight to its output rows (a padding row to
@@ -266,7 +284,8 @@ int paged_prefill(const float *q, int64_t q_token_stride, int64_t q_head_stride,
                   const float *v, int64_t block_stride, int64_t head_stride, int64_t slot_stride,
                   const int32_t *tables, int64_t table_stride, const int32_t *q_starts,
                   const int32_t *q_lens, const int32_t *seq_lens, int n, float *out, int heads,
-                  int kv_heads, int block_size, int dim, float scale, int causal, int threads) {
+                  int kv_heads, int block_size, int dim, float scale, int causal, const int64_t *bidir_hi,
+                  int window, int threads) {
     const int group = heads / kv_heads;
     /* Head sizes that are multiples of 16 on every variant (all of 64, 80, 96, 128, 256), so that
      * what the kernel takes does not depend on the CPU. */
@@ -274,7 +293,7 @@ int paged_prefill(const float *q, int64_t q_token_stride, int64_t q_head_stride,
     const job_t job = {
         {k, v, block_stride, head_stride, slot_stride, tables, table_stride, block_size, dim},
         q, q_token_stride, q_head_stride, q_starts, q_lens, seq_lens, out,
-        heads, group, TILE_ROWS / group, causal, scale,
+        heads, group, TILE_ROWS / group, causal, scale, bidir_hi, window,
     };
     const int tile_rows = job.tile_tokens * group + PAD_ROWS;
     /* Where each sequence's transposed keys go, and the units of work: (sequence, tile) pairs. */

@@ -29,11 +29,15 @@ def paged_prefill(
     scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
+    bidir_hi: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """Sequence i's q_lens[i] query rows (from row q_starts[i]) are its last tokens of seq_lens[i];
-    with `causal` each sees the keys up to its own position, else all of them. Returns `[tokens,
-    heads, dim]` (`out` when given, contiguous: only those sequences' rows are written), or None
-    when the kernel does not apply."""
+    with `causal` each sees the keys up to its own position, else all of them; `bidir_hi` (int64
+    per query row: an image token's range end, holding the token itself) widens that to the range's
+    end, `window` keeps keys above position - window. Returns `[tokens, heads, dim]` (`out` when
+    given, contiguous: only those sequences' rows are written), or None when the kernel does not
+    apply."""
     if not takes(query, k_cache, v_cache) or k_cache.stride() != v_cache.stride():
         return None
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
@@ -47,6 +51,8 @@ def paged_prefill(
     elif out.shape != query.shape or not out.is_contiguous() or out.dtype != query.dtype:
         return None
     block_stride, slot_stride, head_stride, _ = k_cache.stride()
+    if bidir_hi is not None:
+        bidir_hi = bidir_hi.to(torch.int64).contiguous()
     status = lib.paged_prefill(
         query.data_ptr(),
         query.stride(0),
@@ -69,6 +75,8 @@ def paged_prefill(
         dim,
         scale,
         int(causal),
+        None if bidir_hi is None else bidir_hi.data_ptr(),
+        window or 0,
         torch.get_num_threads(),
     )
     return out if status == 0 else None

@@ -118,6 +118,14 @@ class TorchBackend:
         window: int | None = None,
     ) -> torch.Tensor:
         if window is not None or meta.bidirectional is not None:
+            if self.c_prefill:  # every sequence, decodes too, through the C prefill kernel
+                out = cpu_prefill.paged_prefill(
+                    self.lib, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:-1].tolist(),
+                    meta.query_lens_cpu, meta.seq_lens_cpu, scale,
+                    bidir_hi=None if meta.bidirectional is None else meta.bidirectional[1], window=window,
+                )  # fmt: skip
+                if out is not None:
+                    return out
             return self._masked(query, k_cache, v_cache, meta, scale, window)
         num_heads = query.shape[1]
         plan = meta.derived.get(self.name)
@@ -213,8 +221,7 @@ class TorchBackend:
 
     def _masked(self, query, k_cache, v_cache, meta, scale: float, window: int | None) -> torch.Tensor:
         """Every sequence with its own explicit mask: causal, plus each token's bidirectional range,
-        within the sliding window. (The C kernels do not take these masks yet: the torch path
-        answers for the cpu backend too.)"""
+        within the sliding window (the reference; the cpu backend's C prefill kernel takes both)."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         block_size, num_kv_heads = k_cache.shape[1:3]
         start = 0

@@ -100,8 +100,14 @@ def test_an_image_longer_than_a_step_is_refused_by_name(gemma):
     assert llm.generate(prompt("what is this"), greedy(2))[0].finished
 
 
+def test_c_prefill_kernel_takes_the_masks(cpu_kernels):
+    """The cpu backend's C prefill kernel (every ISA variant this CPU runs), decodes included,
+    with bidirectional ranges and a window: the same as the torch path's masks."""
+    test_masked_attention_equals_a_dense_reference("cpu", cpu_kernels)
+
+
 @pytest.mark.parametrize("path", ["torch", "triton", "triton-split"])
-def test_masked_attention_equals_a_dense_reference(path):
+def test_masked_attention_equals_a_dense_reference(path, kernels=None):
     """Each attention path's masks (causal, bidirectional ranges, sliding window) on a paged cache
     against SDPA over the same K/V laid out densely. Triton runs under its interpreter here (on a
     GPU with MM_ENGINE_TEST_DEVICE=cuda it runs compiled); "triton-split" is its split-KV path."""
@@ -145,8 +151,12 @@ def test_masked_attention_equals_a_dense_reference(path):
         bidirectional=(lo, hi),
     )
     for window in (None, 5):
-        if path == "torch":
-            got = TorchBackend().attend(query, k_cache, v_cache, meta, 0.25, window=window)
+        if path in ("torch", "cpu"):
+            backend = TorchBackend(kernels)
+            assert backend.c_prefill == (path == "cpu")
+            if path == "cpu":  # the kernel must answer, not the torch path behind it
+                backend._masked = lambda *args: pytest.fail("the C prefill kernel declined the masks")
+            got = backend.attend(query, k_cache, v_cache, meta, 0.25, window=window)
         else:
             from mm_engine.kernels.triton_attention import paged_attention
 
