@@ -160,9 +160,10 @@ class LLMEngine:
         emb = self.model.language_model.embed_tokens
         per_embed = (1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size()
         for k, span in enumerate(spans):
-            if self.model.bidirectional_images and span.length > self.config.max_num_batched_tokens:
+            longest = max((hi - lo for lo, hi in span.embed_runs()), default=0)
+            if self.model.bidirectional_images and longest > self.config.max_num_batched_tokens:
                 raise ValueError(
-                    f"image {k} takes {span.length} tokens, more than one step's budget "
+                    f"image {k} has a run of {longest} tokens, more than one step's budget "
                     f"(max_num_batched_tokens={self.config.max_num_batched_tokens}); this model prefills "
                     "an image in one step, so raise max_num_batched_tokens"
                 )

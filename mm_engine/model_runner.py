@@ -68,7 +68,10 @@ class ModelRunner:
                     embed_rows.append(rows + (row0 + span.offset - start))
                     embed_feats.append(feats)
                     if self.model.bidirectional_images:
-                        bidirectional.append((embed_rows[-1], *_embed_range(span)))
+                        for lo, hi in span.embed_runs():  # one per image (Gemma 3: and per crop)
+                            inside = (rows >= lo - span.offset) & (rows < hi - span.offset)
+                            if bool(inside.any()):
+                                bidirectional.append((embed_rows[-1][inside], lo, hi))
             if end == req.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(k)
@@ -185,12 +188,3 @@ def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:
     mask = torch.tensor(span.embed_mask[:b], dtype=torch.bool)
     first = int(mask[:a].sum())
     return torch.nonzero(mask[a:b]).flatten() + a, first
-
-
-def _embed_range(span: ImageSpan) -> tuple[int, int]:
-    """Prompt positions `[lo, hi)` from an image's first to its last embedding position."""
-    if span.embed_mask is None:
-        return span.offset, span.offset + span.length
-    first = span.embed_mask.index(True)
-    last = len(span.embed_mask) - 1 - span.embed_mask[::-1].index(True)
-    return span.offset + first, span.offset + last + 1

@@ -33,6 +33,19 @@ class ImageSpan:
         if self.num_embeds < 0:
             self.num_embeds = self.length if self.embed_mask is None else sum(self.embed_mask)
 
+    def embed_runs(self) -> list[tuple[int, int]]:
+        """Prompt positions `[lo, hi)` of each contiguous run of embedding positions (one for most
+        images; Gemma 3's pan-and-scan crops each have their own)."""
+        mask = self.embed_mask or (True,) * self.length
+        runs, lo = [], None
+        for i, m in enumerate((*mask, False)):
+            if m and lo is None:
+                lo = i
+            elif not m and lo is not None:
+                runs.append((self.offset + lo, self.offset + i))
+                lo = None
+        return runs
+
     def is_embed(self, i: int) -> bool:
         """Does run position `i` carry a vision embedding?"""
         return self.embed_mask is None or self.embed_mask[i]

@@ -133,8 +133,9 @@ class Scheduler:
         holds it whole; `check_fits` made sure one can)."""
         end = start + n
         for span in req.images:
-            if span.offset < end < span.offset + span.length:
-                return max(0, span.offset - start)
+            for lo, hi in span.embed_runs():  # a pan-and-scan image may split between its crops
+                if lo < end < hi:
+                    return max(0, lo - start)
         return n
 
     def _take(self, req: Request, n: int, cost: int, batch: ScheduledBatch) -> None:

@@ -63,7 +63,8 @@ def test_mixed_batch_matches_transformers_and_never_splits_an_image(gemma, backe
     for step in steps:
         for req, start, n in step:
             for span in req.images:
-                assert not span.offset < start + n < span.offset + span.length, "an image was split"
+                for lo, hi in span.embed_runs():
+                    assert not lo < start + n < hi, "an image was split"
     assert any(n > 1 for step in steps for _, _, n in step)
 
 
@@ -94,8 +95,8 @@ def test_a_decode_runs_beside_another_requests_image_prefill(gemma):
 
 def test_an_image_longer_than_a_step_is_refused_by_name(gemma):
     path, _ = gemma
-    llm = engine(path, "torch", max_num_batched_tokens=8)
-    with pytest.raises(ValueError, match="max_num_batched_tokens=8"):
+    llm = engine(path, "torch", max_num_batched_tokens=3)  # the image: a run of 4 soft tokens
+    with pytest.raises(ValueError, match="max_num_batched_tokens=3"):
         llm.generate(mm(prompt("what", 1), [make_image(1)]), greedy(2))
     assert llm.generate(prompt("what is this"), greedy(2))[0].finished
 
@@ -200,5 +201,29 @@ def test_processing_equals_the_hf_processor(gemma, mode):
     _, ids, spans = llm.engine.inputs.process(mm(text, images))
     want = ref.inputs(text, images)
     assert ids == want["input_ids"][0].tolist()
-    torch.testing.assert_close(torch.stack([s.pixel_values for s in spans]), want["pixel_values"])
+    torch.testing.assert_close(torch.cat([s.pixel_values for s in spans]), want["pixel_values"])
     assert [s.embed_mask.count(True) for s in spans] == [4, 4, 4]
+
+
+def test_pan_and_scan_crops_match_transformers(gemma):
+    """Each crop its own bidirectional run after the original image's; per server and per request."""
+    path, ref = gemma
+    options = {
+        "do_pan_and_scan": True,
+        "pan_and_scan_min_crop_size": 8,
+        "pan_and_scan_min_ratio_to_activate": 1.2,
+    }
+    wide, square = make_image(11, (160, 40)), make_image(12, (40, 40))
+    cases = [(prompt("what is this", 1), [wide], 8), (prompt("and this", 1), [square], 6)]
+    llm = engine(path, "torch", mm_processor_kwargs=options)
+    outs = llm.generate([mm(p, i) for p, i, _ in cases], [greedy(n) for *_, n in cases])
+    for out, (text, imgs, n) in zip(outs, cases, strict=True):
+        assert out.prompt_token_ids == ref.inputs(text, imgs, **options)["input_ids"][0].tolist()
+        assert out.outputs[0].token_ids == ref.generate(text, imgs, n, **options)
+    _, _, spans = llm.engine.inputs.process(mm(cases[0][0], [wide]))
+    assert spans[0].pixel_values.shape[0] > 1 and spans[0].num_embeds == 4 * spans[0].pixel_values.shape[0]
+    plain = engine(path, "torch")
+    per_request = plain.generate({**mm(cases[0][0], [wide]), "mm_processor_kwargs": options}, greedy(8))[0]
+    assert per_request.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="unknown mm_processor_kwargs option 'max_pixels'"):
+        engine(path, mm_processor_kwargs={"max_pixels": 4})
