@@ -19,7 +19,9 @@ from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
 from mm_engine.caption import caption_images
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "mistral3", "llava_onevision"]
+FAMILIES = [
+    "qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "mistral3", "llava_next", "llava_onevision", "gemma3",
+]  # fmt: skip
 ENGINE = {"kv_cache_memory_bytes": 16 * 1024**2, "block_size": 8, "max_num_batched_tokens": 32}
 
 
