@@ -1,8 +1,13 @@
 """Triton paged attention against torch SDPA on the same K/V: `python -m bench.kernels [--out PATH]`.
 
 Decode: achieved bandwidth (bytes of K/V and Q read / time) as a fraction of the device's measured
-copy bandwidth. Prefill: TFLOP/s of causal attention. The baseline is `scaled_dot_product_attention`
-on the same K/V gathered into contiguous tensors, so the ratio shows what paging costs (or saves).
+copy bandwidth. Prefill: TFLOP/s of causal attention (counted as causal for every variant), and
+Gemma 3's two masks beside it: `triton_window` (a sliding window of WINDOW tokens) and
+`triton_images` (every IMAGE_EVERY positions an image of IMAGE_TOKENS tokens whose queries see the
+whole image, as `AttentionMetadata.bidirectional` hands them), each against SDPA with the same
+mask as a dense boolean `attn_mask` (`sdpa_window`, `sdpa_images`). The baseline is
+`scaled_dot_product_attention` on the same K/V gathered into contiguous tensors, so the ratio
+shows what paging costs (or saves).
 The paged caches are laid out as the engine allocates them (`pools.kv_cache.paged_kv_tensor`:
 head-major within each block); `triton_slot_major` runs the same kernel on a slot-major copy
 (`[block, slot, kv_head, dim]` contiguous), the layout the engine used before, to show what the
@@ -33,6 +38,8 @@ DECODE_BATCHES = (1, 4, 16, 64, 256)
 PREFILL_BATCHES = (1, 4, 16)
 CONTEXTS = (512, 2048, 8192)
 MAX_PREFILL_TOKENS = 65536  # skip prefill points above this many tokens per batch
+WINDOW = 1024  # Gemma 3's local layers
+IMAGE_TOKENS, IMAGE_EVERY = 256, 1024  # Gemma 3's image: 256 soft tokens
 
 
 @dataclass(slots=True)
@@ -157,10 +164,28 @@ def bench_decode(batch: int, seq_len: int, shape: Shape, device: torch.device, c
     return row
 
 
+def gemma_masks(case: Case, seq_len: int, device: torch.device) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """(bidirectional ranges for the paged kernel, the dense image mask, the dense window mask)."""
+    pos = torch.arange(seq_len, device=device)
+    in_image = (pos % IMAGE_EVERY) < IMAGE_TOKENS
+    lo = torch.where(in_image, pos - pos % IMAGE_EVERY, 0)
+    hi = torch.where(in_image, lo + IMAGE_TOKENS, 0).clamp(max=seq_len)
+    batch = case.q_dense.shape[0]
+    ranges = (lo.repeat(batch), hi.repeat(batch))
+    causal = pos[None, :] <= pos[:, None]
+    images = causal | ((pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None]))
+    window = causal & (pos[None, :] > pos[:, None] - WINDOW)
+    return ranges, images, window
+
+
 def bench_prefill(batch: int, seq_len: int, shape: Shape, device: torch.device) -> dict:
     case = make_case(batch, seq_len, seq_len, shape, device)
     scale = shape.head_dim**-0.5
     backend = TritonBackend()
+    ranges, image_mask, window_mask = gemma_masks(case, seq_len, device)
+    with_images = AttentionMetadata(
+        **{**{f: getattr(case.meta, f) for f in case.meta.__slots__}, "bidirectional": ranges}
+    )
     # Causal: query i meets i + 1 keys; two matmuls of 2 * dim FLOPs per (query, key, head).
     flops = 4 * batch * shape.num_heads * shape.head_dim * seq_len * (seq_len + 1) / 2
     row = {"batch": batch, "context": seq_len}
@@ -170,6 +195,16 @@ def bench_prefill(batch: int, seq_len: int, shape: Shape, device: torch.device) 
             case.query, case.k_slot_major, case.v_slot_major, case.meta, scale
         ),
         "sdpa": lambda: sdpa(case, causal=True),
+        "triton_window": lambda: backend.attend(
+            case.query, case.k_cache, case.v_cache, case.meta, scale, window=WINDOW
+        ),
+        "sdpa_window": lambda: F.scaled_dot_product_attention(
+            case.q_dense, case.k_dense, case.v_dense, attn_mask=window_mask, enable_gqa=True
+        ),
+        "triton_images": lambda: backend.attend(case.query, case.k_cache, case.v_cache, with_images, scale),
+        "sdpa_images": lambda: F.scaled_dot_product_attention(
+            case.q_dense, case.k_dense, case.v_dense, attn_mask=image_mask, enable_gqa=True
+        ),
     }
     for name, fn in runs.items():
         ms = time_ms(fn, device)
@@ -220,15 +255,20 @@ def print_tables(results: dict) -> None:
             f"{r['triton_nosplit_bw_frac']:>8.2f} {r['triton_slot_major_bw_frac']:>8.2f} "
             f"{r['sdpa_bw_frac']:>8.2f} {r['speedup_vs_sdpa']:>7.2f}x"
         )
-    print("\nprefill (TFLOP/s, causal)")
-    print(f"{'batch':>6} {'ctx':>6} {'triton':>8} {'slotmaj':>8} {'sdpa':>8} {'vs sdpa':>8}")
+    print("\nprefill (TFLOP/s, counted causal; window / images: Gemma 3's masks, Triton vs SDPA ms)")
+    print(
+        f"{'batch':>6} {'ctx':>6} {'triton':>8} {'slotmaj':>8} {'sdpa':>8} {'vs sdpa':>8} "
+        f"{'window':>15} {'images':>15}"
+    )
     for r in results["prefill"]:
         if "skipped" in r:
             print(f"{r['batch']:>6} {r['context']:>6}  skipped: {r['skipped']}")
             continue
         print(
             f"{r['batch']:>6} {r['context']:>6} {r['triton_tflops']:>8.1f} "
-            f"{r['triton_slot_major_tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['speedup_vs_sdpa']:>7.2f}x"
+            f"{r['triton_slot_major_tflops']:>8.1f} {r['sdpa_tflops']:>8.1f} {r['speedup_vs_sdpa']:>7.2f}x "
+            f"{r['triton_window_ms']:>7.3f}/{r['sdpa_window_ms']:<7.3f} "
+            f"{r['triton_images_ms']:>7.3f}/{r['sdpa_images_ms']:<7.3f}"
         )
 
 

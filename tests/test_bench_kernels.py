@@ -22,7 +22,7 @@ def test_kernel_bench_small_grid(monkeypatch, capsys, tmp_path):
     (decode,), (prefill,) = results["decode"], results["prefill"]
     for name in ("triton", "triton_nosplit", "triton_slot_major", "sdpa"):
         assert decode[f"{name}_ms"] > 0 and decode[f"{name}_bw_frac"] > 0
-    for name in ("triton", "triton_slot_major", "sdpa"):
+    for name in ("triton", "triton_slot_major", "sdpa", "triton_window", "sdpa_window", "triton_images"):
         assert prefill[f"{name}_ms"] > 0 and prefill[f"{name}_tflops"] > 0
     assert decode["num_splits"] >= 1 and results["copy_bandwidth_gbs"] > 0
     json.dumps(results)  # what main writes
