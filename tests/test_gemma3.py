@@ -227,3 +227,14 @@ def test_pan_and_scan_crops_match_transformers(gemma):
     assert per_request.outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="unknown mm_processor_kwargs option 'max_pixels'"):
         engine(path, mm_processor_kwargs={"max_pixels": 4})
+
+
+def test_preemption_recomputes_images_whole(gemma):
+    path, ref = gemma
+    # 4 layers x 2 KV heads x head 32 x 8 slots x K and V x 4 bytes = 16 KiB a block; 20 blocks.
+    llm = engine(path, "torch", kv_cache_memory_bytes=20 * 16384, image_pool_fraction=0.2)
+    batch = BATCH[:2] + BATCH[3:]
+    outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch * 2], [greedy(n) for *_, n in batch * 2])
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out, (text, imgs, n) in zip(outs, batch * 2, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
