@@ -158,6 +158,7 @@ class LLMEngine:
                 f"the prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
             )
         emb = self.model.language_model.embed_tokens
+        self._check_token_ids(ids, spans, emb.num_embeddings)
         per_embed = (1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size()
         for k, span in enumerate(spans):
             longest = max((hi - lo for lo, hi in span.embed_runs()), default=0)
@@ -191,6 +192,19 @@ class LLMEngine:
                 raise ValueError(
                     f"the request needs {n} {pool}-pool blocks but the pool has only "
                     f"{self.blocks.pools[pool].num_blocks}; raise kv_cache_memory_bytes or shorten it"
+                )
+
+    @staticmethod
+    def _check_token_ids(ids: list[int], spans: list[ImageSpan], vocab: int) -> None:
+        """Every id the language model embeds must be one (image positions are replaced, so their
+        placeholder ids may lie outside the vocabulary)."""
+        replaced = {span.offset + i for span in spans for i in range(span.length) if span.is_embed(i)}
+        for pos, tok in enumerate(ids):
+            if pos in replaced:
+                continue
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(
+                    f"prompt token {pos} is {tok!r}, not a token id of this model (0 .. {vocab - 1})"
                 )
 
     def abort(self, request_id: str) -> None:

@@ -98,7 +98,9 @@ class BlockManager:
         return True
 
     def free(self, req: Any) -> None:
-        for block in req.block_table:
+        # Tail first: the pools evict least recently released first, so a cached prefix loses its
+        # last blocks before its root (a chain whose root is gone can never be matched again).
+        for block in reversed(req.block_table):
             self.pool_of(block).release(block)
         req.block_table = []
         req.num_registered_blocks = 0
@@ -120,23 +122,34 @@ class BlockManager:
                 h.update(f"|img:{span.content_hash}:{a - span.offset}:{b - a}".encode())
         return h.digest()
 
-    def match_prefix(self, req: Any) -> int:
+    def match_prefix(self, req: Any, count: bool = True) -> int:
         """Take cached blocks for the longest cached prefix of a request that holds no blocks yet.
 
         The last token is always left to compute, since its logits are needed. Returns the number of
-        tokens taken from cache.
+        tokens taken from cache. `count`: whether the lookups go into the pools' query and hit
+        counts (a request probed again while it waits to be admitted is counted once).
         """
         if not self.enable_prefix_caching or req.block_table:
             return 0
         self._hash_full_blocks(req, upto=(req.num_tokens - 1) // self.block_size)
         for i, h in enumerate(req.block_hashes[: (req.num_tokens - 1) // self.block_size]):
-            block = self.pools[self._kinds(req, i, i + 1)[0]].lookup(h)
+            block = self.pools[self._kinds(req, i, i + 1)[0]].lookup(h, count)
             if block is None:
                 break
             req.block_table.append(block)
         req.num_computed_tokens = len(req.block_table) * self.block_size
         req.num_registered_blocks = len(req.block_table)
         return req.num_computed_tokens
+
+    def count_lookup(self, req: Any, hit_blocks: int) -> None:
+        """Count one lookup of a request in its pools' queries and hits: the `hit_blocks` blocks it
+        took from the cache, and the first one it then missed (if it could have taken more)."""
+        if not self.enable_prefix_caching:
+            return
+        probed = min((req.num_tokens - 1) // self.block_size, hit_blocks + 1)
+        for i, kind in enumerate(self._kinds(req, 0, probed)):
+            self.pools[kind].queries += 1
+            self.pools[kind].hits += i < hit_blocks
 
     def pending_prompt_hashes(self, req: Any) -> list[bytes]:
         """Hashes of the full prompt blocks this request has still to compute (prefix caching on)."""

@@ -82,13 +82,14 @@ class BlockPool:
 
     # ---- content-hash reuse ------------------------------------------------------------------
 
-    def lookup(self, content_hash: int) -> int | None:
-        """Take a reference on the block caching this hash, if any."""
-        self.queries += 1
+    def lookup(self, content_hash: int, count: bool = True) -> int | None:
+        """Take a reference on the block caching this hash, if any (`count`: into the queries and
+        hits)."""
+        self.queries += count
         block = self._by_hash.get(content_hash)
         if block is None:
             return None
-        self.hits += 1
+        self.hits += count
         i = block - self.first_block
         if self._refs[i] == 0:
             del self._evictable[block]

@@ -180,7 +180,9 @@ class Scheduler:
         if swapped:  # resume where it stopped; blocks are allocated fresh and the KV copied back
             req.num_computed_tokens = self.swap.num_computed(req.request_id)
         else:
-            cached = self.blocks.match_prefix(req)
+            # A request blocked at the head of the queue is probed every step: its lookup is
+            # counted once, when it is admitted (below).
+            cached = self.blocks.match_prefix(req, count=False)
             if self.blocks.next_block_hash(req) in self._in_flight:
                 self.blocks.free(req)  # its prefix blocks stay cached for next step
                 req.num_computed_tokens = 0
@@ -201,6 +203,8 @@ class Scheduler:
         self.blocks.allocate(req, n)
         if swapped:
             self.swap.swap_in(req.request_id, req.block_table)
+        if not swapped:
+            self.blocks.count_lookup(req, cached // self.blocks.block_size)
         self.waiting.remove(req)
         self.running.append(req)
         req.status = Status.RUNNING

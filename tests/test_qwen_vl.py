@@ -64,7 +64,10 @@ def test_processing_equals_the_hf_processor(vl_family, mode):
     images = [make_image(20 + i, size).convert(mode) for i, size in enumerate(SIZES)]
     text = prompt("what is this", len(images))
     _, ids, spans = inputs.process(mm(text, images))
-    want = ref.inputs(text, images)
+    # The processor sees the images as the engine's intake hands them on (16-bit grey scaled to 8).
+    from mm_engine.vision.image_io import load_image
+
+    want = ref.inputs(text, [load_image(i) for i in images])
     assert ids == want["input_ids"][0].tolist()
     assert [s.grid for s in spans] == [tuple(g) for g in want["image_grid_thw"].tolist()]
     assert [s.length for s in spans] == [int(g.prod()) // 4 for g in want["image_grid_thw"]]

@@ -14,7 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, ImageFile
+import numpy as np
+from PIL import Image, ImageFile, ImageOps
 
 
 class ImageError(ValueError):
@@ -27,6 +28,9 @@ class ImageLimits:
     min_side: int = 2
     max_bytes: int = 20 * 1024 * 1024
     allowed_formats: frozenset[str] = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP"})
+    # Turn the pixels as an EXIF Orientation tag says, the way viewers (and transformers'
+    # load_image) show a phone photo stored sideways.
+    apply_exif_orientation: bool = True
 
 
 _DEFAULT_LIMITS = ImageLimits()
@@ -47,7 +51,7 @@ def load_image(
     if isinstance(obj, Image.Image):
         _check_size(obj, limits, name)
         _decode(obj, name)
-        return obj
+        return _as_seen(obj, limits, name)
     if isinstance(obj, Path):
         obj = _read_file(obj, limits, name)
     if not isinstance(obj, (bytes, bytearray, memoryview)):
@@ -65,6 +69,23 @@ def load_image(
         raise ImageError(f"{name} is not a decodable image in an allowed format ({allowed})")
     _check_size(image, limits, name)
     _decode(image, name)
+    return _as_seen(image, limits, name)
+
+
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _as_seen(image: Image.Image, limits: ImageLimits, name: str) -> Image.Image:
+    """The image as a viewer shows it: EXIF orientation applied (when the limits say so), 16-bit
+    grey scaled to 8 bits (converting it to RGB would clip everything above 255 to white)."""
+    try:
+        if limits.apply_exif_orientation and image.getexif().get(0x0112, 1) != 1:
+            image = ImageOps.exif_transpose(image)
+        if image.mode in _SIXTEEN_BIT or image.mode == "I":
+            grey = np.asarray(image).astype(np.int64).clip(0, 65535) >> 8
+            image = Image.fromarray(grey.astype(np.uint8))  # 2-D uint8: mode L
+    except Exception as e:  # a malformed EXIF block, an odd mode: never the client's traceback
+        raise ImageError(f"{name} could not be converted (orientation or bit depth)") from e
     return image
 
 

@@ -1,0 +1,110 @@
+"""Items of the hardening issue, each with a test that fails on the code before its fix: token ids
+outside the vocabulary, the order a finished request's blocks are released in, prefix-cache
+lookups counted once per waiting request, EXIF orientation and 16-bit images."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from conftest import make_image
+from PIL import Image
+
+from mm_engine import LLM, SamplingParams
+from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
+from mm_engine.pools.block_pool import BlockPool
+from mm_engine.request import Request
+
+PROMPT = "USER: <image> what is this ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def llm(clip_llama):
+    return LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+
+
+@pytest.mark.parametrize("bad", [10**6, -1, "7", 3.0, True])
+def test_a_token_id_outside_the_vocabulary_is_refused_and_the_batch_runs(llm, bad):
+    good = llm.tokenizer("USER: what is this ASSISTANT:")["input_ids"]
+    with pytest.raises(ValueError, match="not a token id of this model"):
+        llm.generate({"prompt_token_ids": [*good[:2], bad, *good[2:]]}, SamplingParams(max_tokens=2))
+    assert llm.generate({"prompt_token_ids": good}, SamplingParams(max_tokens=2))[0].finished
+    assert llm.kv_report()["text"]["used_blocks"] == 0
+
+
+def _request(ids: list[int]) -> Request:
+    return Request("r", ids, [], SamplingParams(max_tokens=1), 0.0, 0, frozenset())
+
+
+def test_a_finished_requests_blocks_are_evicted_tail_first():
+    """With the pool full of one request's cached chain, making room evicts its last block, and
+    the chain's start is still matched."""
+    blocks = BlockManager(BlockPool(TEXT, 0, 3), BlockPool(IMAGE, 3, 0), 4, True, 0.0)
+    req = _request(list(range(13)))  # three full blocks and one token more
+    assert blocks.allocate(req, 12)
+    req.num_computed_tokens = 12
+    blocks.commit(req)
+    blocks.free(req)
+    blocks.pools[TEXT].allocate(1)  # evicts one cached block
+    again = _request(list(range(13)))
+    assert blocks.match_prefix(again) == 8  # blocks 0 and 1: the root survived
+
+
+def test_a_waiting_request_counts_its_prefix_lookup_once(clip_llama):
+    llm = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2, max_num_seqs=1)
+    image = make_image(3)
+    llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, SamplingParams(max_tokens=1))
+    pools = llm.engine.blocks.pools.values()
+
+    def counts() -> tuple[int, int]:
+        return sum(p.queries for p in pools), sum(p.hits for p in pools)
+
+    queries, hits = counts()
+    eng = llm.engine
+    # The first request holds the only seat for 12 steps; the second waits with a cached prefix.
+    # (ranked above it, so the image request may not preempt it).
+    eng.add_request("USER: how many ASSISTANT:", SamplingParams(max_tokens=12, ignore_eos=True), priority=-5)
+    eng.step()
+    eng.add_request({"prompt": PROMPT, "multi_modal_data": {"image": image}}, SamplingParams(max_tokens=1))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps > 5 and eng.scheduler.num_preemptions == 0  # it really waited
+    n_ids = len(eng.inputs.process({"prompt": PROMPT, "multi_modal_data": {"image": image}})[1])
+    cacheable = (n_ids - 1) // eng.blocks.block_size  # full blocks before the last token
+    new_queries, new_hits = counts()
+    assert 0 < new_hits - hits <= cacheable and new_queries - queries <= cacheable + 1
+
+
+def _png(image: Image.Image, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", **kwargs)
+    return buf.getvalue()
+
+
+def test_exif_orientation_is_applied_and_can_be_turned_off():
+    from mm_engine.vision.image_io import ImageLimits, image_content_hash, load_image
+
+    upright = make_image(5, (40, 20))
+    sideways = upright.transpose(Image.Transpose.ROTATE_90)  # stored turned, tagged to be turned back
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    data = _png(sideways, exif=exif)
+    shown = load_image(data)
+    assert shown.size == (40, 20) and np.array_equal(np.asarray(shown), np.asarray(upright))
+    assert image_content_hash(shown) == image_content_hash(upright)
+    raw = load_image(data, ImageLimits(apply_exif_orientation=False))
+    assert raw.size == (20, 40)
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped():
+    from mm_engine.vision.image_io import load_image
+
+    ramp = (np.arange(64, dtype=np.uint16) * 1024).reshape(8, 8)  # 0 .. 64512
+    image = Image.fromarray(ramp)  # uint16: mode I;16
+    loaded = load_image(_png(image))
+    assert loaded.mode == "L"
+    want = (ramp >> 8).astype(np.uint8)
+    assert np.array_equal(np.asarray(loaded), want)  # not all 255 past the first few pixels
