@@ -27,7 +27,7 @@ ContentPart = TextPart | ImagePart
 
 class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | Annotated[list[ContentPart], Meta(min_length=1)]  # OpenAI refuses `[]` too
     name: str | None = None
 
 

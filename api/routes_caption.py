@@ -75,7 +75,8 @@ async def create_caption(
         ignore_eos=data.ignore_eos,
     )
     ctx.llm.check_admission()
-    prompt = settings.default_caption_prompt if data.prompt is None else data.prompt
+    # An empty or blank prompt is no prompt: the default one, not a caption of nothing.
+    prompt = settings.default_caption_prompt if not (data.prompt or "").strip() else data.prompt
     try:
         inputs = await ctx.llm.run_in_worker(process_caption, ctx.llm.engine.inputs, prompt, images)
     except ImageError as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from litestar import Request, Response, get
+from litestar import Request, Response, get, head
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -64,6 +64,14 @@ async def health(request: Request) -> Response[HealthResponse]:
         return Response(body, status_code=200)
     headers = {"Retry-After": str(ctx.settings.retry_after_seconds)} if h.draining else None
     return Response(body, status_code=503, headers=headers)
+
+
+@head("/health", operation_id="health_head", tags=["server"], include_in_schema=False)
+async def health_head(request: Request) -> Response[None]:
+    """`HEAD /health`: the status of `GET /health` without its body (load balancers probe so)."""
+    ctx = get_ctx(request)
+    h = ctx.llm.health()
+    return Response(None, status_code=200 if h.ok else 503)
 
 
 @get(

@@ -86,9 +86,16 @@ class LLM:
 
     @staticmethod
     def _per_request(value: Any, n: int, name: str) -> list:
-        if isinstance(value, SamplingParams | int):
+        kind = SamplingParams if name == "sampling_params" else int
+        what = "a SamplingParams" if kind is SamplingParams else "an integer"
+        if isinstance(value, kind) and not isinstance(value, bool):
             return [value] * n
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{name} must be {what} or a list of them, got {type(value).__name__}")
         value = list(value)
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        for i, v in enumerate(value):
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise ValueError(f"{name}[{i}] must be {what}, got {type(v).__name__}")
         return value

@@ -108,3 +108,63 @@ def test_sixteen_bit_images_are_scaled_not_clipped():
     assert loaded.mode == "L"
     want = (ramp >> 8).astype(np.uint8)
     assert np.array_equal(np.asarray(loaded), want)  # not all 255 past the first few pixels
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"seed": 2**70}, "seed must be an integer that fits in 64 bits"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"temperature": "0.5"}, "temperature must be a finite number"),
+        ({"stop_token_ids": ["x"]}, "stop_token_ids must be non-negative integers"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"stop": 5}, "stop must be a string or a list"),
+        ({"top_k": 2.5}, "top_k must be"),
+    ],
+)
+def test_sampling_params_are_checked_where_they_are_given(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_generate_arguments_name_themselves(llm):
+    with pytest.raises(
+        ValueError, match="sampling_params must be a SamplingParams or a list of them, got dict"
+    ):
+        llm.generate("USER: hi ASSISTANT:", {"max_tokens": 2})
+    with pytest.raises(ValueError, match=r"priority\[0\] must be an integer, got str"):
+        llm.generate(["USER: hi ASSISTANT:"], SamplingParams(max_tokens=2), priority=["x"])
+    with pytest.raises(ValueError, match="a prompt must be a string or a dict, got int"):
+        llm.generate([123], SamplingParams(max_tokens=2))
+
+
+def test_http_health_head_empty_content_and_blank_caption_prompt(clip_llama):
+    import asyncio
+
+    from api_helpers import chat_messages, data_url, image_bytes
+    from litestar.testing import TestClient
+
+    from mm_engine.api.app import create_app
+    from mm_engine.api.settings import ServerSettings
+    from mm_engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+    try:
+        with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
+            r = client.head("/health")
+            assert r.status_code == 200 and r.content == b""
+            empty = {"model": "m", "messages": [{"role": "user", "content": []}], "max_tokens": 2}
+            r = client.post("/v1/chat/completions", json=empty)
+            assert r.status_code == 400 and "error" in r.json()
+            png = image_bytes(1)
+            default = client.post("/v1/caption", files=[("image", ("a.png", png))], data={"max_tokens": "4"})
+            blank = client.post(
+                "/v1/caption", files=[("image", ("a.png", png))], data={"max_tokens": "4", "prompt": ""}
+            )
+            assert blank.status_code == default.status_code == 200
+            assert blank.json()["text"] == default.json()["text"]
+            assert client.post(
+                "/v1/chat/completions", json={**empty, "messages": chat_messages(data_url(png))}
+            )
+    finally:
+        asyncio.run(llm.shutdown())
