@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
@@ -52,6 +52,12 @@ class ChatCompletionRequest(Struct):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     logprobs: bool = False
+    # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
+    tools: Any = UNSET
+    tool_choice: Any = UNSET
+    response_format: Any = UNSET
+    logit_bias: Any = UNSET
+    top_logprobs: Any = UNSET
     # Extras (vLLM names): send them with the openai client's `extra_body`.
     priority: Priority = 0
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None

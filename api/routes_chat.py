@@ -39,6 +39,9 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
     if body.logprobs:
         raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+    for name in ("tools", "tool_choice", "response_format", "logit_bias", "top_logprobs"):
+        if getattr(body, name) is not UNSET:
+            raise APIError(400, f"{name} is not supported yet", param=name, code="unsupported_parameter")
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")

@@ -168,3 +168,32 @@ def test_http_health_head_empty_content_and_blank_caption_prompt(clip_llama):
             )
     finally:
         asyncio.run(llm.shutdown())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"5": 10}},
+        {"top_logprobs": 2},
+    ],
+)
+def test_unsupported_chat_parameters_are_refused_by_name(clip_llama, extra):
+    import asyncio
+
+    from litestar.testing import TestClient
+
+    from mm_engine.api.app import create_app
+    from mm_engine.api.settings import ServerSettings
+    from mm_engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+    try:
+        with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == next(iter(extra))
+    finally:
+        asyncio.run(llm.shutdown())
