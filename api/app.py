@@ -14,6 +14,7 @@ from mm_engine.api.context import ServerContext
 from mm_engine.api.errors import EXCEPTION_HANDLERS
 from mm_engine.api.media import MediaFetcher
 from mm_engine.api.metrics import Metrics
+from mm_engine.api.request_id import request_id_middleware
 from mm_engine.api.routes_caption import create_caption
 from mm_engine.api.routes_chat import create_chat_completion
 from mm_engine.api.routes_misc import health, health_head, list_models, metrics, retrieve_model
@@ -41,6 +42,7 @@ def create_app(
         route_handlers=ROUTES,
         state=State({"ctx": ctx}),
         exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[request_id_middleware],
         request_max_body_size=settings.max_body_bytes,
         # Parts beyond the images and the few text fields are refused while parsing.
         multipart_form_part_limit=settings.max_images_per_request + 16,

@@ -132,7 +132,9 @@ def _on_validation(request: Request, exc: ValidationException) -> Response:
 def _on_http(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     if status >= 500:
-        logger.error("internal error on %s", request.url.path, exc_info=exc)
+        logger.error(
+            "internal error on %s (request %s)", request.url.path, _request_id(request), exc_info=exc
+        )
         return error_response(APIError(500, "internal server error", code="internal_error"))
     if status == 404:
         message = "no such route"
@@ -151,7 +153,7 @@ def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
 
 
 def _on_unexpected(request: Request, exc: Exception) -> Response:
-    logger.error("unexpected error on %s", request.url.path, exc_info=exc)
+    logger.error("unexpected error on %s (request %s)", request.url.path, _request_id(request), exc_info=exc)
     return error_response(APIError(500, "internal server error", code="internal_error"))
 
 
@@ -163,3 +165,8 @@ EXCEPTION_HANDLERS = {
     ClientDisconnected: _on_disconnect,
     Exception: _on_unexpected,
 }
+
+
+def _request_id(request) -> str:
+    """The x-request-id the middleware (request_id.py) gave this request."""
+    return request.scope.get("state", {}).get("request_id", "-")

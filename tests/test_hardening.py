@@ -138,7 +138,7 @@ def test_generate_arguments_name_themselves(llm):
         llm.generate([123], SamplingParams(max_tokens=2))
 
 
-def test_http_health_head_empty_content_and_blank_caption_prompt(clip_llama):
+def test_http_health_head_request_id_empty_content_and_blank_caption_prompt(clip_llama):
     import asyncio
 
     from api_helpers import chat_messages, data_url, image_bytes
@@ -153,6 +153,11 @@ def test_http_health_head_empty_content_and_blank_caption_prompt(clip_llama):
         with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
             r = client.head("/health")
             assert r.status_code == 200 and r.content == b""
+            assert len(r.headers["x-request-id"]) == 32  # a fresh one
+            r = client.get("/v1/models", headers={"x-request-id": "client-42"})
+            assert r.headers["x-request-id"] == "client-42"  # the client's own, echoed
+            r = client.get("/v1/models", headers={"x-request-id": "bad id\twith spaces"})
+            assert r.headers["x-request-id"] != "bad id\twith spaces"
             empty = {"model": "m", "messages": [{"role": "user", "content": []}], "max_tokens": 2}
             r = client.post("/v1/chat/completions", json=empty)
             assert r.status_code == 400 and "error" in r.json()
