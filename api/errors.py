@@ -152,7 +152,25 @@ def _on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
     return error_response(APIError(400, "client disconnected", code="client_disconnected"))
 
 
+# Raised while Litestar parses a body it cannot make sense of: the client's mistake, not ours.
+_BODY_ERRORS = {
+    UnicodeDecodeError: "a form field is not valid UTF-8 (an image goes in a file part, with a filename)",
+    LookupError: "a form field names an unknown charset",
+    RecursionError: "the JSON body is nested too deeply",
+}
+
+
+def _raised_parsing_the_body(exc: Exception) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "/litestar/" in tb.tb_frame.f_code.co_filename
+
+
 def _on_unexpected(request: Request, exc: Exception) -> Response:
+    for kind, message in _BODY_ERRORS.items():
+        if isinstance(exc, kind) and _raised_parsing_the_body(exc):
+            return error_response(APIError(400, message, code="invalid_body"))
     logger.error("unexpected error on %s (request %s)", request.url.path, _request_id(request), exc_info=exc)
     return error_response(APIError(500, "internal server error", code="internal_error"))
 

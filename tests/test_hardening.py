@@ -202,3 +202,53 @@ def test_unsupported_chat_parameters_are_refused_by_name(clip_llama, extra):
             assert r.json()["error"]["param"] == next(iter(extra))
     finally:
         asyncio.run(llm.shutdown())
+
+
+MULTIPART_CASES = {
+    "no filename": [('Content-Disposition: form-data; name="image"', "png")],
+    "empty filename": [('Content-Disposition: form-data; name="image"; filename=""', "png")],
+    "filename*": [("Content-Disposition: form-data; name=\"image\"; filename*=UTF-8''a.png", "png")],
+    "invalid UTF-8": [
+        ('Content-Disposition: form-data; name="image"; filename="a.png"', "png"),
+        ('Content-Disposition: form-data; name="prompt"', b"\xff\xfe bad"),
+    ],
+    "unknown charset": [
+        ('Content-Disposition: form-data; name="image"; filename="a.png"', "png"),
+        ('Content-Disposition: form-data; name="prompt"\r\nContent-Type: text/plain; charset=x-nope', b"hi"),
+    ],
+}
+
+
+def test_malformed_bodies_are_400s_not_500s(clip_llama):
+    import asyncio
+
+    from api_helpers import image_bytes
+    from litestar.testing import TestClient
+
+    from mm_engine.api.app import create_app
+    from mm_engine.api.settings import ServerSettings
+    from mm_engine.async_llm import AsyncLLM
+
+    png = image_bytes(1)
+    llm = AsyncLLM.from_engine_args(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+    try:
+        with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
+            for name, parts in MULTIPART_CASES.items():
+                body = b"".join(
+                    b"--B\r\n" + h.encode() + b"\r\n\r\n" + (png if d == "png" else d) + b"\r\n"
+                    for h, d in parts
+                )
+                r = client.post(
+                    "/v1/caption", content=body + b"--B--\r\n",
+                    headers={"content-type": "multipart/form-data; boundary=B"},
+                )  # fmt: skip
+                assert r.status_code == 400, (name, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            deep = ("[" * 5000 + "]" * 5000).encode()
+            r = client.post(
+                "/v1/chat/completions", content=deep, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+            assert client.get("/health").status_code == 200  # still serving
+    finally:
+        asyncio.run(llm.shutdown())
