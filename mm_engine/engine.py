@@ -65,6 +65,10 @@ class LLMEngine:
         text_cfg = self.hf_config.text_config
         self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
         self.max_image_tokens = config.max_image_tokens or self._default_image_cap(processing)
+        # No token is longer than the vocabulary's longest string: text beyond max_model_len of
+        # those (twice over, for normalisers that fold characters) cannot fit.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.inputs.max_prompt_chars = 2 * self.max_model_len * max(longest, 1)
         lm = self.model.language_model
         spec = KVCacheSpec(
             len(lm.layers), text_cfg.num_key_value_heads, lm.head_dim, config.block_size, config.torch_dtype()

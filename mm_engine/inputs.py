@@ -30,6 +30,16 @@ class InputProcessor:
         self.image_token = processing.image_token
         self.chat_template = chat_template
         self.limits = limits or ImageLimits()
+        self.max_prompt_chars: int | None = None  # set by the engine from max_model_len
+
+    def check_length(self, chars: int) -> None:
+        """Refuse a prompt whose text alone cannot fit, before tokenizing it (a 4 MB prompt took
+        seconds to tokenize only to be refused)."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt is {chars} characters, more than any prompt of max_model_len tokens "
+                f"can be ({self.max_prompt_chars})"
+            )
 
     def process(self, prompt: Any) -> tuple[str | None, list[int], list[ImageSpan]]:
         """A string, or a dict with `prompt` (or `prompt_token_ids`), `multi_modal_data.image` and
@@ -50,6 +60,7 @@ class InputProcessor:
         if "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
         elif isinstance(text, str):
+            self.check_length(len(text))
             ids = self.tokenizer(text)["input_ids"]
         else:
             raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
@@ -146,12 +157,19 @@ class InputProcessor:
                 else:
                     raise ValueError(f"unsupported content part type {kind!r}; use 'text' or 'image_url'")
             converted.append({"role": m["role"], "content": parts})
+        self.check_length(sum(_text_chars(m["content"]) for m in converted))
         text = self.tokenizer.apply_chat_template(
             converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
         )
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, *self.expand(ids, images, overrides)
+
+
+def _text_chars(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text", "")) for part in content)
 
 
 def find_chat_template(model_dir: Path, tokenizer) -> str | None:

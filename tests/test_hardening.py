@@ -252,3 +252,22 @@ def test_malformed_bodies_are_400s_not_500s(clip_llama):
             assert client.get("/health").status_code == 200  # still serving
     finally:
         asyncio.run(llm.shutdown())
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(llm, monkeypatch):
+    tokenized = []
+    tokenizer = llm.engine.inputs.tokenizer
+    original = type(tokenizer).__call__
+
+    def spy(self, text, *args, **kwargs):
+        tokenized.append(len(text))
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", spy)
+    huge = "what " * (llm.engine.inputs.max_prompt_chars // 5 + 1)
+    with pytest.raises(ValueError, match="characters, more than any prompt of max_model_len tokens"):
+        llm.generate(huge, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="characters"):
+        llm.chat([{"role": "user", "content": huge}], SamplingParams(max_tokens=2))
+    assert not tokenized
+    assert llm.generate("USER: what ASSISTANT:", SamplingParams(max_tokens=2))[0].finished
