@@ -46,20 +46,23 @@ class LLMEngine:
             tune_malloc()
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
-        torch.manual_seed(config.seed)
         self.platform = make_platform(self.device, config.attention_backend)
         backend = self.platform.backend
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         processing = models.make_processing(path, self.tokenizer, self.hf_config, config.mm_processor_kwargs)
-        self.model = models.load_model(
-            path,
-            self.hf_config,
-            config.torch_dtype("dtype"),
-            config.torch_dtype("vision_dtype"),
-            self.device,
-            self.platform,
-            pack_weights=config.cpu_packed_weights,
-        )
+        # Building the modules runs their random init (overwritten by the checkpoint): on a fork of
+        # torch's RNG, so the caller's stream is where it was.
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            self.model = models.load_model(
+                path,
+                self.hf_config,
+                config.torch_dtype("dtype"),
+                config.torch_dtype("vision_dtype"),
+                self.device,
+                self.platform,
+                pack_weights=config.cpu_packed_weights,
+            )
         self.inputs = InputProcessor(self.tokenizer, processing, find_chat_template(path, self.tokenizer))
         self.eos_token_ids = self._eos_ids(path)
         text_cfg = self.hf_config.text_config
@@ -105,7 +108,8 @@ class LLMEngine:
             whole_images=self.model.bidirectional_images,
         )
         self.runner = ModelRunner(self.model, self.kv, backend, self.device, self.encoder_cache)
-        self.sampler = Sampler()
+        # The engine's own random stream for unseeded requests: torch's global RNG is the caller's.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
 

@@ -16,6 +16,11 @@ GREEDY_BELOW = 1e-5
 
 
 class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # Unseeded rows draw from this (the engine's own, seeded from its config) rather than
+        # torch's process-wide RNG, which a library must leave to its caller.
+        self.generator = generator
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -36,7 +41,7 @@ class Sampler:
             [p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params], device=device
         )
         probs = self._filtered_probs(logits / temps.unsqueeze(1), params)
-        noise = self._exponential_noise(probs.shape, generators, device)
+        noise = self._exponential_noise(probs.shape, generators, device, self.generator)
         sampled_ids = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor(greedy, device=device)
         return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
@@ -68,12 +73,15 @@ class Sampler:
 
     @staticmethod
     def _exponential_noise(
-        shape: torch.Size, generators: list[torch.Generator | None], device: torch.device
-    ) -> torch.Tensor:
+        shape: torch.Size, generators: list[torch.Generator | None], device: torch.device,
+        default: torch.Generator | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         noise = torch.empty(shape, device=device)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), shape[1]), device=device).exponential_()
+            where = default.device if default is not None else device
+            drawn = torch.empty((len(unseeded), shape[1]), device=where).exponential_(generator=default)
+            noise[unseeded] = drawn.to(device)
         for i, g in enumerate(generators):
             if g is not None:
                 # Draw on the generator's own device so its stream does not depend on where logits live.

@@ -271,3 +271,19 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(llm, monkeyp
         llm.chat([{"role": "user", "content": huge}], SamplingParams(max_tokens=2))
     assert not tokenized
     assert llm.generate("USER: what ASSISTANT:", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_the_engine_leaves_torchs_global_state_alone(clip_llama):
+    import torch
+
+    torch.manual_seed(123)
+    before, dtype = torch.get_rng_state(), torch.get_default_dtype()
+    llm = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+    llm.generate("USER: what ASSISTANT:", SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    assert torch.equal(torch.get_rng_state(), before) and torch.get_default_dtype() == dtype
+    # Unseeded sampling still repeats from the engine's own seed.
+    again = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    first = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2).generate("USER: what ASSISTANT:", params)
+    second = again.generate("USER: what ASSISTANT:", params)
+    assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
