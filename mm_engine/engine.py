@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from mm_engine import models
+from mm_engine.admission import Admission
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.detokenizer import IncrementalDetokenizer
@@ -92,6 +93,17 @@ class LLMEngine:
         # By default one step may encode at least one whole image, whatever the token budget.
         default_budget = max(config.max_num_batched_tokens, self.max_image_tokens)
         self.encoder_budget = config.max_num_encoder_tokens or default_budget
+        emb = self.model.language_model.embed_tokens
+        self.admission = Admission(
+            max_model_len=self.max_model_len,
+            max_image_tokens=self.max_image_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            encoder_cache_bytes=self.encoder_cache.capacity_bytes,
+            encoder_budget=self.encoder_budget,
+            vocab_size=emb.num_embeddings,
+            bytes_per_embed=(1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size(),
+            whole_images=self.model.bidirectional_images,
+        )
         policy = make_policy(
             config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
         )
@@ -160,39 +172,7 @@ class LLMEngine:
 
     def check_fits(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
         """Refuse a request that could never run, before it takes anything."""
-        params.validate()
-        if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
-            )
-        emb = self.model.language_model.embed_tokens
-        self._check_token_ids(ids, spans, emb.num_embeddings)
-        per_embed = (1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size()
-        for k, span in enumerate(spans):
-            longest = max((hi - lo for lo, hi in span.embed_runs()), default=0)
-            if self.model.bidirectional_images and longest > self.config.max_num_batched_tokens:
-                raise ValueError(
-                    f"image {k} has a run of {longest} tokens, more than one step's budget "
-                    f"(max_num_batched_tokens={self.config.max_num_batched_tokens}); this model prefills "
-                    "an image in one step, so raise max_num_batched_tokens"
-                )
-            if span.length > self.max_image_tokens:
-                raise ValueError(
-                    f"image {k} takes {span.length} tokens, more than max_image_tokens="
-                    f"{self.max_image_tokens}; send a smaller image, lower max_pixels in "
-                    "mm_processor_kwargs, or raise max_image_tokens"
-                )
-            feat_bytes = span.num_embeds * per_embed
-            if feat_bytes > self.encoder_cache.capacity_bytes:
-                raise ValueError(
-                    f"image {k}'s encoder output is {feat_bytes} bytes, larger than the encoder cache "
-                    f"({self.encoder_cache.capacity_bytes} bytes); raise encoder_cache_bytes"
-                )
-            if span.num_embeds > self.encoder_budget:
-                raise ValueError(
-                    f"image {k} is {span.num_embeds} encoder tokens, more than the per-step encoder "
-                    f"budget ({self.encoder_budget}); raise max_num_encoder_tokens"
-                )
+        self.admission.check(ids, spans, params)
         probe = Request("probe", ids, spans, params, 0.0, -1, frozenset())
         need = self.blocks.blocks_needed(probe, min(len(ids) + params.max_tokens, self.max_model_len))
         for pool, n in need.items():
@@ -200,19 +180,6 @@ class LLMEngine:
                 raise ValueError(
                     f"the request needs {n} {pool}-pool blocks but the pool has only "
                     f"{self.blocks.pools[pool].num_blocks}; raise kv_cache_memory_bytes or shorten it"
-                )
-
-    @staticmethod
-    def _check_token_ids(ids: list[int], spans: list[ImageSpan], vocab: int) -> None:
-        """Every id the language model embeds must be one (image positions are replaced, so their
-        placeholder ids may lie outside the vocabulary)."""
-        replaced = {span.offset + i for span in spans for i in range(span.length) if span.is_embed(i)}
-        for pos, tok in enumerate(ids):
-            if pos in replaced:
-                continue
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-                raise ValueError(
-                    f"prompt token {pos} is {tok!r}, not a token id of this model (0 .. {vocab - 1})"
                 )
 
     def abort(self, request_id: str) -> None:

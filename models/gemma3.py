@@ -26,15 +26,11 @@ import torch
 from PIL import Image
 
 from mm_engine.gemma_layers import GemmaLM
-from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.interface import ProcessedImage, Processing
+from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.models.weights import (
     default_dtype,
     load_strict,
-    load_tower_and_projector,
-    read_weights,
-    ready,
-    route_tower_projector_lm,
-    split_by_prefix,
 )
 from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
@@ -117,20 +113,23 @@ class Gemma3Processing(Processing):
         return ProcessedImage(pixels, list(ids), mask, self.num * (1 + crops), digest)
 
 
-class Gemma3Model(MultimodalModel):
+class Gemma3Model(TowerProjectorModel):
     bidirectional_images = True
+    family = "Gemma 3"
 
-    def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
-        super().__init__()
-        self.config = config
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.language_model = language_model
-        self.image_token_id = config.image_token_id
+    @staticmethod
+    def projector_class():
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-    @property
-    def vision_dtype(self) -> torch.dtype:
-        return next(self.vision_tower.parameters()).dtype
+        return Gemma3MultiModalProjector
+
+    @classmethod
+    def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform):
+        with torch.device(device), default_dtype(dtype):
+            lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops)
+        load_strict(lm, lm_state, "language model")
+        lm.fuse_projections()
+        return lm
 
     @torch.inference_mode()
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
@@ -140,22 +139,3 @@ class Gemma3Model(MultimodalModel):
         feats = self.multi_modal_projector(hidden.to(lm_weight.dtype))  # [frames, tokens, hidden]
         feats = feats.reshape(-1, 1, feats.shape[-1])  # an image's frames: itself, then any crops
         return list(feats.split([span.num_embeds for span in images]))
-
-    @classmethod
-    def from_checkpoint(
-        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
-    ) -> MultimodalModel:  # fmt: skip
-        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
-
-        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "Gemma 3")
-        lm_state = parts.get("lm", {})
-        with torch.device(device), default_dtype(dtype):
-            lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops)
-        load_strict(lm, lm_state, "language model")
-        lm.fuse_projections()
-        tower, projector = load_tower_and_projector(
-            parts, config, Gemma3MultiModalProjector, dtype, vision_dtype, device
-        )
-        model = cls(config, tower, projector, lm)
-        return ready(model, model.vision_tower, platform, pack_weights)

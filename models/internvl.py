@@ -23,17 +23,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.options import positive_option
-from mm_engine.models.weights import (
-    build_language_model,
-    load_tower_and_projector,
-    read_weights,
-    ready,
-    route_tower_projector_lm,
-    split_by_prefix,
-)
-from mm_engine.platform import Platform
+from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
@@ -111,23 +103,22 @@ def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:
     return x.reshape(n, rows // factor, cols // factor, factor * factor * c)
 
 
-class InternVLModel(MultimodalModel):
+class InternVLModel(TowerProjectorModel):
+    family = "InternVL"
+
     def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
-        super().__init__()
-        self.config = config
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.language_model = language_model
-        self.image_token_id = config.image_token_id
+        super().__init__(config, vision_tower, projector, language_model)
         self.factor = int(1 / config.downsample_ratio)
         layer = config.vision_feature_layer
         if not isinstance(layer, int):
             raise ValueError("a list of vision_feature_layer values is not supported for InternVL")
         self.feature_layer = layer
 
-    @property
-    def vision_dtype(self) -> torch.dtype:
-        return next(self.vision_tower.parameters()).dtype
+    @staticmethod
+    def projector_class():
+        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+        return InternVLMultiModalProjector
 
     @torch.inference_mode()
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
@@ -144,18 +135,3 @@ class InternVLModel(MultimodalModel):
         )
         feats = feats.reshape(-1, 1, feats.shape[-1])
         return list(feats.split([span.num_embeds for span in images]))
-
-    @classmethod
-    def from_checkpoint(
-        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
-    ) -> MultimodalModel:  # fmt: skip
-        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
-
-        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "InternVL")
-        lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
-        tower, projector = load_tower_and_projector(
-            parts, config, InternVLMultiModalProjector, dtype, vision_dtype, device
-        )
-        model = cls(config, tower, projector, lm)
-        return ready(model, model.vision_tower, platform, pack_weights)

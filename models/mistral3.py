@@ -24,17 +24,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.options import longest_edge
-from mm_engine.models.weights import (
-    build_language_model,
-    load_tower_and_projector,
-    read_weights,
-    ready,
-    route_tower_projector_lm,
-    split_by_prefix,
-)
-from mm_engine.platform import Platform
+from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
@@ -78,20 +70,19 @@ class PixtralProcessing(Processing):
         return ProcessedImage(pixels, tokens, mask, rows * cols, digest, grid=(height, width))
 
 
-class Mistral3Model(MultimodalModel):
+class Mistral3Model(TowerProjectorModel):
+    family = "Mistral 3"
+
     def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
-        super().__init__()
-        self.config = config
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.language_model = language_model
-        self.image_token_id = config.image_token_id
+        super().__init__(config, vision_tower, projector, language_model)
         layers = config.vision_feature_layer
         self.layers = [layers] if isinstance(layers, int) else list(layers)
 
-    @property
-    def vision_dtype(self) -> torch.dtype:
-        return next(self.vision_tower.parameters()).dtype
+    @staticmethod
+    def projector_class():
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        return Mistral3MultiModalProjector
 
     @torch.inference_mode()
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
@@ -107,18 +98,3 @@ class Mistral3Model(MultimodalModel):
         feats = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1).squeeze(0)
         feats = self.multi_modal_projector(feats.to(lm_weight.dtype), sizes)
         return list(feats.reshape(-1, 1, feats.shape[-1]).split([span.num_embeds for span in images]))
-
-    @classmethod
-    def from_checkpoint(
-        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
-    ) -> MultimodalModel:  # fmt: skip
-        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
-
-        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, "Mistral3")
-        lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
-        tower, projector = load_tower_and_projector(
-            parts, config, Mistral3MultiModalProjector, dtype, vision_dtype, device
-        )
-        model = cls(config, tower, projector, lm)
-        return ready(model, model.vision_tower, platform, pack_weights)

@@ -1,0 +1,69 @@
+"""What a request must satisfy to be admitted at all, checked before it takes anything: the limits
+the engine was built with, as plain numbers (the pools' own check stays with the block manager)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mm_engine.request import ImageSpan
+from mm_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    max_model_len: int
+    max_image_tokens: int
+    max_num_batched_tokens: int
+    encoder_cache_bytes: int
+    encoder_budget: int
+    vocab_size: int
+    bytes_per_embed: int  # one image embedding in the encoder cache (DeepStack features included)
+    whole_images: bool  # an image's runs must be prefilled in one step (Gemma 3)
+
+    def check(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
+        """Raise a ValueError naming the first limit the request breaks."""
+        params.validate()
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}"
+            )
+        self._token_ids(ids, spans)
+        for k, span in enumerate(spans):
+            self._image(k, span)
+
+    def _token_ids(self, ids: list[int], spans: list[ImageSpan]) -> None:
+        """Every id the language model embeds must be one (image positions are replaced, so their
+        placeholder ids may lie outside the vocabulary)."""
+        replaced = {span.offset + i for span in spans for i in range(span.length) if span.is_embed(i)}
+        for pos, tok in enumerate(ids):
+            if pos in replaced:
+                continue
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+                last = self.vocab_size - 1
+                raise ValueError(f"prompt token {pos} is {tok!r}, not a token id of this model (0 .. {last})")
+
+    def _image(self, k: int, span: ImageSpan) -> None:
+        longest = max((hi - lo for lo, hi in span.embed_runs()), default=0)
+        if self.whole_images and longest > self.max_num_batched_tokens:
+            raise ValueError(
+                f"image {k} has a run of {longest} tokens, more than one step's budget "
+                f"(max_num_batched_tokens={self.max_num_batched_tokens}); this model prefills "
+                "an image in one step, so raise max_num_batched_tokens"
+            )
+        if span.length > self.max_image_tokens:
+            raise ValueError(
+                f"image {k} takes {span.length} tokens, more than max_image_tokens="
+                f"{self.max_image_tokens}; send a smaller image, lower max_pixels in "
+                "mm_processor_kwargs, or raise max_image_tokens"
+            )
+        feat_bytes = span.num_embeds * self.bytes_per_embed
+        if feat_bytes > self.encoder_cache_bytes:
+            raise ValueError(
+                f"image {k}'s encoder output is {feat_bytes} bytes, larger than the encoder cache "
+                f"({self.encoder_cache_bytes} bytes); raise encoder_cache_bytes"
+            )
+        if span.num_embeds > self.encoder_budget:
+            raise ValueError(
+                f"image {k} is {span.num_embeds} encoder tokens, more than the per-step encoder "
+                f"budget ({self.encoder_budget}); raise max_num_encoder_tokens"
+            )

@@ -1,0 +1,58 @@
+"""The layout InternVL, Mistral 3 and Gemma 3 share: transformers' vision tower, the family's
+projector (transformers' class too), the engine's language model, loaded from checkpoints laid
+out LLaVA-style (`vision_tower.*`, `multi_modal_projector.*`, `language_model.*`, `lm_head.*`).
+A family subclass names its projector and writes `encode`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mm_engine.models.interface import MultimodalModel
+from mm_engine.models.weights import (
+    build_language_model,
+    load_tower_and_projector,
+    read_weights,
+    ready,
+    route_tower_projector_lm,
+    split_by_prefix,
+)
+from mm_engine.platform import Platform
+
+
+class TowerProjectorModel(MultimodalModel):
+    family = "?"
+
+    def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
+        super().__init__()
+        self.config = config
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.language_model = language_model
+        self.image_token_id = config.image_token_id
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return next(self.vision_tower.parameters()).dtype
+
+    @staticmethod
+    def projector_class():
+        raise NotImplementedError
+
+    @classmethod
+    def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform):
+        return build_language_model(lm_state, config.text_config, dtype, device, platform.ops)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
+        platform: Platform, pack_weights: bool,
+    ) -> MultimodalModel:  # fmt: skip
+        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, cls.family)
+        lm = cls.build_language_model(parts.get("lm", {}), config, dtype, device, platform)
+        tower, projector = load_tower_and_projector(
+            parts, config, cls.projector_class(), dtype, vision_dtype, device
+        )
+        model = cls(config, tower, projector, lm)
+        return ready(model, model.vision_tower, platform, pack_weights)
