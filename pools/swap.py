@@ -36,13 +36,17 @@ class HostSwap:
     def has(self, request_id: str) -> bool:
         return request_id in self._store
 
-    def swap_out(self, request_id: str, blocks: list[int], num_computed: int, has_image_blocks: bool) -> bool:
-        """Copy the blocks to host; False when there is no room (the caller recomputes instead)."""
+    def swap_out(
+        self, request_id: str, blocks: list[int], num_computed: int, has_image_blocks: bool,
+        protect: str | None = None,
+    ) -> bool:  # fmt: skip
+        """Copy the blocks to host; False when there is no room (the caller recomputes instead).
+        Image KV may push out stored text KV, but never `protect`'s (a request being swapped in)."""
         nbytes = len(blocks) * self.kv.spec.bytes_per_block
         if nbytes == 0 or nbytes > self.capacity_bytes:
             return False
         if self.used_bytes + nbytes > self.capacity_bytes and has_image_blocks:
-            for rid in [r for r, s in self._store.items() if not s.has_image_blocks]:
+            for rid in [r for r, s in self._store.items() if not s.has_image_blocks and r != protect]:
                 self.drop(rid)
                 if self.used_bytes + nbytes <= self.capacity_bytes:
                     break

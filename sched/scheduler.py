@@ -70,6 +70,7 @@ class Scheduler:
         # Per request, the image its last chunk ended inside: its features are held by the runner
         # from that step on, so the next chunk does not charge the encoder budget for it again.
         self._straddling: dict[str, int] = {}
+        self._admitting: str | None = None  # a swapped request being admitted (see _admit)
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting_requests:
@@ -132,7 +133,11 @@ class Scheduler:
         nothing when the chunk would start there (the image then waits for a step whose budget
         holds it whole; `check_fits` made sure one can)."""
         end = start + n
+        if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image ahead
+            return n
         for span in req.images:
+            if span.offset + span.length <= start or span.offset >= end:
+                continue
             for lo, hi in span.embed_runs():  # a pan-and-scan image may split between its crops
                 if lo < end < hi:
                     return max(0, lo - start)
@@ -188,6 +193,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 return True
         n, cost = self._chunk(req)
+        # While it preempts to make room, its own swapped KV must stay (swap_out may drop text KV).
+        self._admitting = req.request_id if swapped else None
         while n > 0 and not (
             len(self.running) < self.max_num_seqs and self.blocks.can_allocate(req, n, keep_watermark=True)
         ):
@@ -196,6 +203,7 @@ class Scheduler:
                 n = 0
             else:
                 self.preempt(victim, batch)
+        self._admitting = None
         if n == 0:
             self.blocks.free(req)  # give back any prefix blocks taken; they stay cached
             req.num_computed_tokens = 0
@@ -226,7 +234,9 @@ class Scheduler:
         for pool in {"image" if b in image_pool else "text" for b in held}:
             self.preemptions_by_pool[pool] += 1
         if self.swap is not None and held:
-            self.swap.swap_out(req.request_id, held, req.num_computed_tokens, has_image)
+            self.swap.swap_out(
+                req.request_id, held, req.num_computed_tokens, has_image, protect=self._admitting
+            )
         self.blocks.free(req)
         req.num_computed_tokens = 0
         self._straddling.pop(req.request_id, None)

@@ -287,3 +287,20 @@ def test_the_engine_leaves_torchs_global_state_alone(clip_llama):
     first = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2).generate("USER: what ASSISTANT:", params)
     second = again.generate("USER: what ASSISTANT:", params)
     assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
+
+
+def test_image_kv_swapped_out_never_pushes_out_the_request_being_swapped_in():
+    """Found by the scheduler property test: admitting a swapped text request preempted an image
+    request, whose swap-out dropped the admitted request's own stored KV (KeyError on swap-in)."""
+    import torch
+
+    from mm_engine.pools.kv_cache import KVCache, KVCacheSpec
+    from mm_engine.pools.swap import HostSwap
+
+    spec = KVCacheSpec(1, 1, 16, 4, torch.float32)
+    swap = HostSwap(KVCache(spec, 8, torch.device("cpu")), 3 * spec.bytes_per_block)
+    assert swap.swap_out("text", [0, 1], 8, has_image_blocks=False)
+    assert not swap.swap_out("image", [2, 3], 8, has_image_blocks=True, protect="text")  # no room
+    assert swap.has("text")
+    assert swap.swap_out("image2", [2, 3], 8, has_image_blocks=True)  # unprotected text KV gives way
+    assert not swap.has("text")
