@@ -119,8 +119,10 @@ class TorchBackend:
     ) -> torch.Tensor:
         if window is not None or meta.bidirectional is not None:
             if self.c_prefill:  # every sequence, decodes too, through the C prefill kernel
+                if "starts" not in meta.derived:  # once per step, not per layer
+                    meta.derived["starts"] = meta.query_start_loc[:-1].tolist()
                 out = cpu_prefill.paged_prefill(
-                    self.lib, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:-1].tolist(),
+                    self.lib, query, k_cache, v_cache, meta.block_tables, meta.derived["starts"],
                     meta.query_lens_cpu, meta.seq_lens_cpu, scale,
                     bidir_hi=None if meta.bidirectional is None else meta.bidirectional[1], window=window,
                 )  # fmt: skip
