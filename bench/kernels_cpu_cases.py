@@ -68,6 +68,24 @@ def attention_cases(
             lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), fast.attend(q, k, v, m, 0.125)),
             lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), plain.attend(q, k, v, m, 0.125)),
         ))  # fmt: skip
+    # Gemma 3's masks: a prefill chunk (after cached context) holding images whose tokens see each
+    # other, and decodes beside it, all within a sliding window: one masked step's attention.
+    length, new, window, image = (1024, 512, 256, 64) if not quick else (40, 20, 8, 4)
+    meta, blocks = _meta([length, *[length] * 8], [new, *[1] * 8])
+    pos = torch.arange(length - new, length)
+    in_image = (pos % (4 * image)) < image  # an image every 4 * image positions
+    lo = torch.where(in_image, pos - pos % (4 * image), 0)
+    meta.bidirectional = (
+        torch.cat([lo, torch.zeros(8, dtype=torch.long)]),
+        torch.cat([torch.where(in_image, lo + image, 0), torch.zeros(8, dtype=torch.long)]),
+    )
+    k, v = (paged_kv_tensor(blocks, BLOCK, KV_HEADS, DIM, torch.float32, "cpu").normal_() for _ in "kv")
+    q = torch.randn(new + 8, HEADS, DIM, generator=g)
+    out.append((
+        "prefill", f"masked: {new} new after {length - new}, images, window {window}, + 8 decodes",
+        lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), fast.attend(q, k, v, m, 0.125, window=window)),
+        lambda q=q, k=k, v=v, m=meta: (m.derived.clear(), plain.attend(q, k, v, m, 0.125, window=window)),
+    ))  # fmt: skip
     for tokens in (64, 2048) if not quick else (8,):
         meta, blocks = _meta([tokens], [tokens])
         k, v = (paged_kv_tensor(blocks + 1, BLOCK, KV_HEADS, DIM, torch.float32, "cpu").zero_() for _ in "kv")

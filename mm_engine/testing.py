@@ -121,6 +121,17 @@ def word_tokenizer(
     return fast
 
 
+def tiny_text(vocab_size: int, eos: int, pad: int, bos: int | None, overrides: dict | None, **family) -> dict:
+    """The tiny language-model config every family's test checkpoint shares (hidden 128, two
+    layers, GQA 4:2, head size 32), with the family's own keys and the caller's overrides."""
+    text = dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=eos, pad_token_id=pad, bos_token_id=bos,
+    )  # fmt: skip
+    return {**text, **family, **(overrides or {})}
+
+
 def save_random_model(cfg, path: Path, seed: int, weight_scale: float, dtype: torch.dtype) -> None:
     """transformers' model for `cfg` with random weights, saved as a checkpoint."""
     from transformers import AutoModelForImageTextToText

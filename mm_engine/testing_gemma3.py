@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing import save_random_model, word_tokenizer
+from mm_engine.testing import save_random_model, tiny_text, word_tokenizer
 
 GEMMA3_SPECIAL = [
     "<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
@@ -58,18 +58,15 @@ def build_gemma3_checkpoint(
     path = Path(path)
     tokenizer = build_gemma3_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL}
-    text = dict(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-        sliding_window=sliding_window, max_position_embeddings=1024,
+    text = tiny_text(
+        len(tokenizer), ids["<eos>"], ids["<pad>"], ids["<bos>"], text_dims,
+        num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32, sliding_window=sliding_window,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
         rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
-        bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
     )  # fmt: skip
-    text.update(text_dims or {})
     vision = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32,
         patch_size=8, vision_use_head=False,

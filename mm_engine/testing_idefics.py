@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing import save_random_model, word_tokenizer
+from mm_engine.testing import save_random_model, tiny_text, word_tokenizer
 
 IDEFICS_SPECIAL = [
     "<|endoftext|>",
@@ -61,20 +61,8 @@ def build_idefics_checkpoint(
     path = Path(path)
     tokenizer = build_idefics_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in IDEFICS_SPECIAL}
-    text = dict(
-        model_type="llama",
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<end_of_utterance>"],
-        pad_token_id=ids["<|endoftext|>"],
-    )
-    text.update(text_dims or {})
+    eos, pad = ids["<end_of_utterance>"], ids["<|endoftext|>"]
+    text = tiny_text(len(tokenizer), eos, pad, pad, text_dims, model_type="llama")
     patch, scale = 8, 2
     vision = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=tile,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing import save_random_model, word_tokenizer
+from mm_engine.testing import save_random_model, tiny_text, word_tokenizer
 
 INTERNVL_SPECIAL = [
     "<|endoftext|>",
@@ -72,23 +72,8 @@ def build_internvl_checkpoint(
     path = Path(path)
     tokenizer = build_internvl_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in INTERNVL_SPECIAL}
-    lm = text
-    text = dict(
-        model_type=lm,
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        bos_token_id=None,
-    )
-    if lm == "qwen3":
-        text.update(head_dim=32)
-    text.update(text_dims or {})
+    family = {"model_type": text, **({"head_dim": 32} if text == "qwen3" else {})}
+    text = tiny_text(len(tokenizer), ids["<|im_end|>"], ids["<|endoftext|>"], None, text_dims, **family)
     patch = 8
     vision = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing import save_random_model, word_tokenizer
+from mm_engine.testing import save_random_model, tiny_text, word_tokenizer
 
 MISTRAL3_SPECIAL = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 MISTRAL3_CHAT_TEMPLATE = (
@@ -46,13 +46,10 @@ def build_mistral3_checkpoint(
     path = Path(path)
     tokenizer = build_mistral3_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in MISTRAL3_SPECIAL}
-    text = dict(
-        model_type="mistral", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=1024, sliding_window=None, bos_token_id=ids["<s>"],
-        eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+    text = tiny_text(
+        len(tokenizer), ids["</s>"], ids["<pad>"], ids["<s>"], text_dims,
+        model_type="mistral", head_dim=32, sliding_window=None,
     )  # fmt: skip
-    text.update(text_dims or {})
     vision = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, head_dim=32,
         patch_size=patch_size, image_size=longest_edge,

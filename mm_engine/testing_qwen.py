@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing import save_random_model, word_tokenizer
+from mm_engine.testing import save_random_model, tiny_text, word_tokenizer
 
 QWEN_SPECIAL = [
     "<|endoftext|>",
@@ -59,21 +59,10 @@ def build_qwen_checkpoint(
     path = Path(path)
     tokenizer = build_qwen_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
-    head_dim = 32
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        bos_token_id=None,
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    text = tiny_text(
+        len(tokenizer), eos, pad, None, text_dims, max_position_embeddings=512, rms_norm_eps=1e-6
     )
-    text.update(text_dims or {})
     head_dim = text.get("head_dim", text["hidden_size"] // text["num_attention_heads"])
     half = head_dim // 2
     section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]  # 16 -> [4, 6, 6]

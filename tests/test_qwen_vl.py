@@ -32,9 +32,7 @@ def family(request, vl_family):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-def test_mixed_batch_matches_transformers(family, backend, monkeypatch):
-    if backend == "triton":
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+def test_mixed_batch_matches_transformers(family, backend):
     path, ref = family
     run_batch_against(ref, path, backend, BATCH)
 
