@@ -121,7 +121,9 @@ def test_masked_attention_equals_a_dense_reference(path, kernels=None):
         import os
 
         if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("needs the Triton interpreter")
+            pytest.skip(
+                "needs the Triton interpreter (TRITON_INTERPRET=1) or a GPU (MM_ENGINE_TEST_DEVICE=cuda)"
+            )
 
     g = torch.Generator().manual_seed(0)
     bs, kvh, h, d = 4, 2, 4, 16
