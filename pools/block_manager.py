@@ -77,14 +77,17 @@ class BlockManager:
         kinds = self._kinds(req, have, max(have, want))
         return {TEXT: kinds.count(TEXT), IMAGE: kinds.count(IMAGE)}
 
-    def can_allocate(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> bool:
-        need = self.new_blocks_for(req, num_new_tokens)
-        for name, n in need.items():
+    def shortfall(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> dict[str, int]:
+        """Per pool, the blocks missing for `num_new_tokens` more tokens (0 where enough are left)."""
+        short = {}
+        for name, n in self.new_blocks_for(req, num_new_tokens).items():
             pool = self.pools[name]
             reserve = int(self.watermark * pool.num_blocks) if keep_watermark and n else 0
-            if n + reserve > pool.num_available:
-                return False
-        return True
+            short[name] = max(0, n + reserve - pool.num_available)
+        return short
+
+    def can_allocate(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> bool:
+        return not any(self.shortfall(req, num_new_tokens, keep_watermark).values())
 
     def allocate(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> bool:
         """Extend the block table to hold `num_new_tokens` more tokens; all or nothing."""

@@ -2,14 +2,15 @@
 
 Each step walks running and waiting requests together in rank order (the policy's rank):
 - a running request gets its next chunk (a decode is one token); when its pool has no block left,
-  the lowest-ranked running request not yet scheduled this step is preempted;
+  running requests ranked below it that are not yet scheduled this step are preempted, the fewest
+  lowest-ranked ones that free blocks of the pool that is short (victims.py), else it waits itself;
 - a waiting request is admitted if a seat (`max_num_seqs`), its blocks (keeping a small watermark
   of free blocks for the running ones) and the budgets allow; if not, it may preempt running
-  requests that it outranks by the policy's margin. Waiting requests never overtake each other,
-  with one exception: a request whose next prompt block is being computed in this step by one
-  ranked above it (the second question about an image that the first is prefilling) waits a
-  step, so that it reuses those blocks instead of computing them again, and lets the ones behind
-  it go ahead.
+  requests that it outranks by the policy's margin, when they together free enough. Waiting
+  requests never overtake each other, with one exception: a request whose next prompt block is
+  being computed in this step by one ranked above it (the second question about an image that the
+  first is prefilling) waits a step, so that it reuses those blocks instead of computing them
+  again, and lets the ones behind it go ahead.
 A chunk also stops before an image that the per-step encoder budget cannot encode, and, with
 `whole_images` (Gemma 3: an image's tokens attend to each other in both directions, so all its keys
 must be written before any of its queries runs), before an image it would otherwise split.
@@ -24,6 +25,7 @@ from mm_engine.pools.block_manager import IMAGE, BlockManager
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.policy import Policy, outranks
+from mm_engine.sched.victims import choose_victims
 from mm_engine.vision.encoder_cache import EncoderCache
 
 
@@ -161,22 +163,30 @@ class Scheduler:
         n, cost = self._chunk(req)
         if n == 0:
             return
-        while not self.blocks.allocate(req, n):
-            victim = self._victim()
-            self.preempt(victim, batch)
-            if victim is req:
+        if not self.blocks.allocate(req, n):
+            # Only requests ranked below it may give way; if they cannot free enough, it waits.
+            below = self._candidates(stop_at=req)
+            victims = choose_victims(self.blocks, self.blocks.shortfall(req, n), 0, below)
+            for victim in victims or [req]:
+                self.preempt(victim, batch)
+            if victims is None or not self.blocks.allocate(req, n):
+                if req in self.running:
+                    self.preempt(req, batch)
                 return
         self._take(req, n, cost, batch)
 
-    def _victim(self, outranked_by: tuple | None = None) -> Request | None:
-        """The lowest-ranked running request not yet scheduled this step (optionally: outranked)."""
+    def _candidates(self, stop_at: Request | None = None, outranked_by: tuple | None = None):
+        """Running requests not yet scheduled this step, lowest rank first, down to `stop_at` (or
+        while `outranked_by` outranks them)."""
         for r in reversed(self.running):
+            if r is stop_at:
+                return
             if r.request_id in self._scheduled:
                 continue
-            if outranked_by is None or outranks(self.policy, outranked_by, self._ranks[r.request_id]):
-                return r
-            return None
-        return None
+            rank = self._ranks[r.request_id]
+            if outranked_by is not None and not outranks(self.policy, outranked_by, rank):
+                return
+            yield r
 
     def _admit(self, req: Request, now: float, batch: ScheduledBatch) -> bool:
         """Admit `req` if it fits; returns whether the requests behind it may still be admitted."""
@@ -195,14 +205,16 @@ class Scheduler:
         n, cost = self._chunk(req)
         # While it preempts to make room, its own swapped KV must stay (swap_out may drop text KV).
         self._admitting = req.request_id if swapped else None
-        while n > 0 and not (
-            len(self.running) < self.max_num_seqs and self.blocks.can_allocate(req, n, keep_watermark=True)
-        ):
-            victim = self._victim(outranked_by=self._ranks[req.request_id])
-            if victim is None:
-                n = 0
-            else:
+        if n > 0:
+            short = self.blocks.shortfall(req, n, keep_watermark=True)
+            seats = len(self.running) + 1 - self.max_num_seqs
+            victims = choose_victims(
+                self.blocks, short, seats, self._candidates(outranked_by=self._ranks[req.request_id])
+            )
+            for victim in victims or []:
                 self.preempt(victim, batch)
+            if victims is None or not self.blocks.can_allocate(req, n, keep_watermark=True):
+                n = 0
         self._admitting = None
         if n == 0:
             self.blocks.free(req)  # give back any prefix blocks taken; they stay cached
