@@ -6,9 +6,10 @@
 
 Tokenizing and decoding images happen in a worker pool (`process_prompt`, `process_chat`), never on
 the event loop and never on the engine thread. A request whose consumer goes away (client
-disconnect, cancellation) is aborted, which frees its blocks at once. An exception in `step()` fails
-the requests in the engine with `EngineStepError` (their blocks are freed) and is recorded for the
-health check; the loop keeps serving new requests.
+disconnect, cancellation) is aborted, which frees its blocks at once. A step that fails fails the
+requests it held with `EngineStepError` (their blocks are freed) and is recorded for the health
+check; the loop keeps serving the others. A device fault (a CUDA error) stops the loop: every
+request gets `EngineDeadError` and `/health` says "dead" and why.
 """
 
 from __future__ import annotations

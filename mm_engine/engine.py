@@ -20,6 +20,7 @@ from mm_engine.admission import Admission
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.detokenizer import IncrementalDetokenizer
+from mm_engine.faults import StepFailedError, is_device_fault
 from mm_engine.inputs import InputProcessor, find_chat_template
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
@@ -33,7 +34,7 @@ from mm_engine.request import ImageSpan, Request
 from mm_engine.sampler import Sampler
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.policy import make_policy
-from mm_engine.sched.scheduler import Scheduler
+from mm_engine.sched.scheduler import ScheduledBatch, Scheduler
 from mm_engine.vision.encoder_cache import EncoderCache
 
 IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
@@ -124,6 +125,7 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
+        self.device_lost = False  # set by a step that failed with a device fault
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -145,6 +147,8 @@ class LLMEngine:
         request_id: str | None = None, priority: int = 0,
     ) -> str:  # fmt: skip
         """Queue a request whose inputs `self.inputs` already processed (possibly on another thread)."""
+        if self.device_lost:
+            raise RuntimeError("the device failed earlier; this engine cannot run any more")
         self.check_fits(ids, spans, params)
         seq = next(self._seq)
         request_id = str(seq) if request_id is None else str(request_id)
@@ -190,12 +194,27 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward pass; return an output for each request that advanced."""
+        """Run one scheduled forward pass; return an output for each request that advanced.
+
+        Raises StepFailedError when the pass fails: the requests it held are dropped (their
+        blocks freed), every other request stays as it was."""
+        if self.device_lost:
+            raise RuntimeError("the device failed earlier; this engine cannot run any more")
         batch = self.scheduler.schedule(time.time())
         for req in batch.preempted:  # recomputed from the start: its image features go too
             self.runner.release(req.request_id)
         if not batch.items:
             return []
+        try:
+            return self._run(batch)
+        except Exception as exc:
+            self.device_lost = is_device_fault(exc)
+            failed = [req.request_id for req, _ in batch.items]
+            for rid in failed:
+                self.abort(rid)
+            raise StepFailedError(failed, self.device_lost) from exc
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         logits, sampling = self.runner.execute(batch.items)
         for req, n in batch.items:
             req.num_computed_tokens += n

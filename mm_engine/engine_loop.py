@@ -23,11 +23,16 @@ from mm_engine.async_types import (
     EngineStepError,
     ProcessedInputs,
 )
+from mm_engine.faults import StepFailedError
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.scheduler import QueueFullError
 
 logger = logging.getLogger("mm_engine.async_llm")
+
+
+class EngineDeviceLost(Exception):
+    """Raised inside the loop to stop it after a device fault."""
 
 
 @dataclass(slots=True, eq=False)
@@ -104,8 +109,11 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._step()
                 self._heartbeat = time.monotonic()
+        except EngineDeviceLost:
+            pass  # logged where it happened; `_last_error` says why
         except BaseException:  # the loop itself broke: nothing can run any more
             logger.exception("engine loop died")
+            self._last_error = self._last_error or "the engine loop stopped"
         finally:
             self._dead = True
             self._fail_everything(EngineDeadError("the engine stopped"))
@@ -183,14 +191,20 @@ class EngineLoop:
             self.listener.on_finished(out, stream.modality, stream.arrival_time)
 
     def _on_step_failure(self, exc: Exception) -> None:
-        # Which requests the failed batch held is not visible from here, and their state may be
-        # half-updated, so every request in the engine fails; aborting frees all their blocks.
-        logger.error("engine step failed", exc_info=exc)
+        # A StepFailedError names the requests the failed batch held (the engine dropped them);
+        # anything else came from outside a forward (the scheduler), so every request fails.
+        cause = exc.__cause__ if isinstance(exc, StepFailedError) and exc.__cause__ else exc
+        logger.error("engine step failed", exc_info=cause)
         self._faults += 1
-        self._last_error = f"engine step failed ({type(exc).__name__})"
         self._last_step_failed = True
-        for rid, stream in list(self._streams.items()):
-            if stream.in_engine and not stream.finished:
+        if isinstance(exc, StepFailedError) and exc.device_lost:
+            self._last_error = f"device fault ({type(cause).__name__}); the engine stopped"
+            raise EngineDeviceLost from exc  # ends the loop: nothing can run on this device
+        self._last_error = f"engine step failed ({type(cause).__name__})"
+        failed = exc.request_ids if isinstance(exc, StepFailedError) else list(self._streams)
+        for rid in failed:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.in_engine and not stream.finished:
                 self.engine.abort(rid)
                 stream.finished = True
                 stream.put(EngineStepError("the engine failed while running this request"))
