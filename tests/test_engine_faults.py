@@ -32,6 +32,17 @@ def _poison(engine, message: str) -> None:
     engine.runner.execute = faulty
 
 
+async def _run(llm: AsyncLLM, rid: str):
+    """The request's output ids, or the engine error it ended with."""
+    inputs = await llm.process_prompt(PROMPT)
+    try:
+        async for out in llm.generate(inputs, PARAMS, request_id=rid):
+            last = out
+        return last.outputs[0].token_ids
+    except (EngineStepError, EngineDeadError) as exc:
+        return exc
+
+
 def test_a_failing_step_drops_only_the_requests_it_held(clip_llama):
     expected = LLM(clip_llama, **KW).generate(PROMPT, PARAMS)[0].outputs[0].token_ids
     engine = LLM(clip_llama, **KW).engine
@@ -54,18 +65,9 @@ def test_the_async_engine_fails_the_batch_and_serves_the_rest(clip_llama):
     llm = AsyncLLM.from_engine_args(clip_llama, **KW)
     _poison(llm.engine, "shape mismatch")
 
-    async def run(rid):
-        inputs = await llm.process_prompt(PROMPT)
-        try:
-            async for out in llm.generate(inputs, PARAMS, request_id=rid):
-                last = out
-            return last.outputs[0].token_ids
-        except EngineStepError as exc:
-            return exc
-
     async def scenario():
         try:
-            return await asyncio.gather(run("bad"), run("good"))
+            return await asyncio.gather(_run(llm, "bad"), _run(llm, "good"))
         finally:
             await llm.shutdown()
 
@@ -79,18 +81,10 @@ def test_a_device_fault_stops_the_engine_and_health_says_why(clip_llama):
     llm = AsyncLLM.from_engine_args(clip_llama, **KW)
     _poison(llm.engine, "CUDA error: an illegal memory access was encountered")
 
-    async def run(rid):
-        inputs = await llm.process_prompt(PROMPT)
-        try:
-            async for _ in llm.generate(inputs, PARAMS, request_id=rid):
-                pass
-        except (EngineStepError, EngineDeadError) as exc:
-            return exc
-
     async def scenario():
         try:
-            failed = await asyncio.gather(run("bad"), run("good"))
-            later = await run("later")
+            failed = await asyncio.gather(_run(llm, "bad"), _run(llm, "good"))
+            later = await _run(llm, "later")
             transport = httpx.ASGITransport(app=create_app(llm, ServerSettings(served_model_names=["m"])))
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 health = await client.get("/health")
