@@ -64,7 +64,8 @@ def engine_run(job: Job) -> dict:
 
     torch.set_num_threads(job.threads)
     images = vlm.images(job.num_images, job.seed)
-    llm = LLM(job.model, device=job.device, dtype=job.dtype, vision_dtype=job.dtype, **job.engine_args)
+    engine_args = {"cpu_tune_malloc": True, **job.engine_args}  # as `mm-engine` runs it
+    llm = LLM(job.model, device=job.device, dtype=job.dtype, vision_dtype=job.dtype, **engine_args)
     warm = {"prompt": job.requests[0][1], "multi_modal_data": {"image": vlm.noise_image(0)}}
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]

@@ -17,22 +17,28 @@ from mm_engine.caption_cli import add_caption_parser
 from mm_engine.config import EngineConfig
 
 
+# Where a command differs from the library's default: a command owns its process, a library
+# caller does not.
+COMMAND_DEFAULTS = {"cpu_tune_malloc": True}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model":
             continue
+        default = COMMAND_DEFAULTS.get(f.name, f.default)
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # `int | None` and the like
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         flag = "--" + f.name.replace("_", "-")
         if kind is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif kind is dict:  # --mm-processor-kwargs '{"max_pixels": 1003520}'
-            group.add_argument(flag, type=_json_object, default=f.default, help="a JSON object")
+            group.add_argument(flag, type=_json_object, default=default, help="a JSON object")
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=f"default: {f.default}")
+            group.add_argument(flag, type=kind, default=default, help=f"default: {default}")
 
 
 def _json_object(text: str) -> dict:

@@ -35,7 +35,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
-    cpu_tune_malloc: bool = True  # CPU: keep freed tensor memory in glibc's heap (mm_engine.cpu_memory)
+    # CPU: keep freed tensor memory in glibc's heap (mm_engine.cpu_memory). It changes the whole
+    # process's malloc, so a library caller opts in; the `mm-engine` commands turn it on.
+    cpu_tune_malloc: bool = False
     cpu_huge_pages: bool = False  # CPU: the KV pool on transparent huge pages (mm_engine.cpu_memory)
     scheduling_policy: str = "priority"  # or "fcfs"
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority

@@ -273,14 +273,22 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(llm, monkeyp
     assert llm.generate("USER: what ASSISTANT:", SamplingParams(max_tokens=2))[0].finished
 
 
-def test_the_engine_leaves_torchs_global_state_alone(clip_llama):
+def test_the_engine_leaves_torchs_global_state_alone(clip_llama, monkeypatch):
     import torch
 
+    import mm_engine.engine
+    from mm_engine.cli import build_parser, engine_kwargs
+
+    tuned = []
+    monkeypatch.setattr(mm_engine.engine, "tune_malloc", lambda: tuned.append(1))
     torch.manual_seed(123)
     before, dtype = torch.get_rng_state(), torch.get_default_dtype()
     llm = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
     llm.generate("USER: what ASSISTANT:", SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
     assert torch.equal(torch.get_rng_state(), before) and torch.get_default_dtype() == dtype
+    assert not tuned  # glibc's malloc is the process's: a library caller opts in
+    for command in (["generate"], ["serve"], ["caption", "x", "-o", "y"]):
+        assert engine_kwargs(build_parser().parse_args(command))["cpu_tune_malloc"] is True
     # Unseeded sampling still repeats from the engine's own seed.
     again = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
     params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
