@@ -16,7 +16,6 @@ from mm_engine.api.server import add_serve_parser
 from mm_engine.caption_cli import add_caption_parser
 from mm_engine.config import EngineConfig
 
-
 # Where a command differs from the library's default: a command owns its process, a library
 # caller does not.
 COMMAND_DEFAULTS = {"cpu_tune_malloc": True}
