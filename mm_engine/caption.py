@@ -69,9 +69,8 @@ class Captioner:
         self.prompt_ids(prompt)  # a job whose own prompt cannot work fails before any image
 
     def prompt_ids(self, prompt: str) -> tuple[str, list[int]]:
-        """The full prompt text and its token ids, with one image placeholder. Tokenized here, on
-        the caller's thread, once per distinct prompt: fast tokenizers must not be shared across
-        threads ("Already borrowed"), and most jobs have a single prompt."""
+        """The full prompt text and its token ids, with one image placeholder: tokenized once per
+        distinct prompt (most jobs have a single one), not once per image."""
         if prompt in self._prompts:
             return self._prompts[prompt]
         tok, placeholder = self.inputs.tokenizer, self.inputs.image_token

@@ -35,6 +35,7 @@ from mm_engine.sampler import Sampler
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.policy import make_policy
 from mm_engine.sched.scheduler import ScheduledBatch, Scheduler
+from mm_engine.thread_tokenizer import PerThreadTokenizer
 from mm_engine.vision.encoder_cache import EncoderCache
 
 IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
@@ -50,8 +51,11 @@ class LLMEngine:
         self.hf_config = load_config(path)
         self.platform = make_platform(self.device, config.attention_backend)
         backend = self.platform.backend
+        # The engine thread detokenizes with `self.tokenizer`; input processing runs on other
+        # threads, each with its own copy.
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        processing = models.make_processing(path, self.tokenizer, self.hf_config, config.mm_processor_kwargs)
+        tokenizers = PerThreadTokenizer(self.tokenizer)
+        processing = models.make_processing(path, tokenizers, self.hf_config, config.mm_processor_kwargs)
         # Building the modules runs their random init (overwritten by the checkpoint): on a fork of
         # torch's RNG, so the caller's stream is where it was.
         cuda = [self.device] if self.device.type == "cuda" else []
@@ -65,7 +69,7 @@ class LLMEngine:
                 self.platform,
                 pack_weights=config.cpu_packed_weights,
             )
-        self.inputs = InputProcessor(self.tokenizer, processing, find_chat_template(path, self.tokenizer))
+        self.inputs = InputProcessor(tokenizers, processing, find_chat_template(path, self.tokenizer))
         self.eos_token_ids = self._eos_ids(path)
         text_cfg = self.hf_config.text_config
         self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
