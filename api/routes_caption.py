@@ -26,6 +26,7 @@ from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_res
 from mm_engine.async_types import ProcessedInputs
 from mm_engine.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
+from mm_engine.sampling_params import RequestOutputKind
 from mm_engine.vision.image_io import ImageError
 
 
@@ -73,6 +74,7 @@ async def create_caption(
         seed=data.seed,
         stop=check_stop(data.stop, settings),
         ignore_eos=data.ignore_eos,
+        output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
     )
     ctx.llm.check_admission()
     # An empty or blank prompt is no prompt: the default one, not a caption of nothing.
@@ -103,20 +105,22 @@ class _Head:
         c = out.outputs[0]
         return CaptionResponse(self.rid, self.created, self.model, c.text, c.finish_reason, usage_of(out))
 
-    def chunk(self, out: RequestOutput) -> bytes:
+    def chunk(self, out: RequestOutput, generated: int) -> bytes:
         c = out.outputs[0]
-        return sse(CaptionChunk(self.rid, self.created, self.model, out.delta_text, c.finish_reason,
-                                usage_of(out) if out.finished else None))  # fmt: skip
+        usage = usage_of(out, generated) if out.finished else None
+        return sse(CaptionChunk(self.rid, self.created, self.model, out.delta_text, c.finish_reason, usage))
 
 
 async def _events(
     ctx: ServerContext, head: _Head, first: RequestOutput, gen: AsyncIterator[RequestOutput]
 ) -> AsyncIterator[bytes]:
     try:
-        yield head.chunk(first)
+        generated = len(first.outputs[0].token_ids)  # outputs are deltas
+        yield head.chunk(first, generated)
         if not first.finished:
             async for out in gen:
-                yield head.chunk(out)
+                generated += len(out.outputs[0].token_ids)
+                yield head.chunk(out, generated)
     except Exception as exc:  # the status line is gone already: report it in the stream
         yield error_event(exc, ctx.settings.retry_after_seconds)
     finally:

@@ -30,6 +30,7 @@ from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import usage_of
 from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
 from mm_engine.outputs import RequestOutput
+from mm_engine.sampling_params import RequestOutputKind
 
 _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
 
@@ -112,6 +113,7 @@ async def create_chat_completion(
         seed=data.seed,
         stop=check_stop(data.stop, settings),
         ignore_eos=data.ignore_eos,
+        output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
     )
     ctx.llm.check_admission()
     messages, where = await _to_engine_messages(ctx, data.messages)
@@ -152,8 +154,9 @@ class _Head:
             )
         )  # fmt: skip
 
-    def usage_chunk(self, out: RequestOutput) -> bytes:
-        return sse(ChatCompletionChunk(self.rid, self.created, self.model, [], usage_of(out)))
+    def usage_chunk(self, out: RequestOutput, completion_tokens: int) -> bytes:
+        usage = usage_of(out, completion_tokens)
+        return sse(ChatCompletionChunk(self.rid, self.created, self.model, [], usage))
 
 
 async def _events(
@@ -161,8 +164,9 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     try:
         yield head.chunk(DeltaMessage(role="assistant", content=""))
-        out = first
+        out, generated = first, 0
         while True:
+            generated += len(out.outputs[0].token_ids)  # outputs are deltas
             if out.delta_text or out.finished:
                 reason = out.outputs[0].finish_reason if out.finished else None
                 yield head.chunk(DeltaMessage(content=out.delta_text or None), reason)
@@ -170,7 +174,7 @@ async def _events(
                 break
             out = await anext(gen)
         if head.include_usage:
-            yield head.usage_chunk(out)
+            yield head.usage_chunk(out, generated)
     except Exception as exc:  # the status line is gone already: report it in the stream
         yield error_event(exc, ctx.settings.retry_after_seconds)
     finally:

@@ -40,8 +40,10 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def usage_of(out: RequestOutput, completion_tokens: int | None = None) -> Usage:
+    """Usage of a finished request; `completion_tokens` where `out` is a delta."""
+    p = len(out.prompt_token_ids)
+    c = len(out.outputs[0].token_ids) if completion_tokens is None else completion_tokens
     return Usage(p, c, p + c, PromptTokensDetails(out.num_cached_tokens))
 
 

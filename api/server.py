@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--health-stall-timeout", type=float, default=_D.health_stall_timeout)
     g.add_argument("--input-workers", type=int, default=_D.input_workers,
                    help="threads that tokenize and decode images")  # fmt: skip
+    g.add_argument("--light-input-bytes", type=int, default=_D.light_input_bytes,
+                   help="requests whose text and images weigh at most this many bytes have "
+                   "input workers of their own, so big ones cannot stall them")  # fmt: skip
 
 
 def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -85,6 +88,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         shutdown_timeout=args.shutdown_timeout,
         health_stall_timeout=args.health_stall_timeout,
         input_workers=args.input_workers,
+        light_input_bytes=args.light_input_bytes,
     )
 
 
@@ -114,6 +118,7 @@ def run_server(args: argparse.Namespace) -> int:
         engine,
         image_limits=settings.image_limits(),
         input_workers=settings.input_workers,
+        light_input_bytes=settings.light_input_bytes,
         stall_timeout=settings.health_stall_timeout,
     )
     app = create_app(llm, settings)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from mm_engine.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.vision.image_io import ImageLimits
 
 MiB = 1024 * 1024
@@ -31,6 +32,7 @@ class ServerSettings:
     health_stall_timeout: float = 60.0  # busy with no loop progress this long: /health says 503
     retry_after_seconds: int = 1  # Retry-After on 429 (queue full) and 503 (draining)
     input_workers: int = 2  # threads that tokenize and decode images
+    light_input_bytes: int = LIGHT_INPUT_BYTES  # inputs this small have workers of their own
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -44,6 +46,7 @@ class ServerSettings:
             "max_stop_length",
             "default_max_tokens",
             "input_workers",
+            "light_input_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

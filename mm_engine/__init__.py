@@ -3,6 +3,13 @@
 from mm_engine.caption import caption_images
 from mm_engine.llm import LLM
 from mm_engine.outputs import CompletionOutput, RequestOutput
-from mm_engine.sampling_params import SamplingParams
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "caption_images"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "caption_images",
+]

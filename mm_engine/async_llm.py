@@ -2,11 +2,12 @@
 
     event loop (any number)                 engine thread (exactly one: LLMEngine is not thread-safe)
     generate() --add--> inbox (deque+cond) --> add_processed / abort / call
-    queue.get() <--call_soon_threadsafe---- step() -> outputs per request
+    collector.get() <--call_soon_threadsafe-- step() -> one batch of delta outputs per step
 
-Tokenizing and decoding images happen in a worker pool (`process_prompt`, `process_chat`), never on
-the event loop and never on the engine thread. A request whose consumer goes away (client
-disconnect, cancellation) is aborted, which frees its blocks at once. A step that fails fails the
+Tokenizing and decoding images happen in worker threads (`process_prompt`, `process_chat`), never
+on the event loop and never on the engine thread; small inputs have workers of their own
+(input_lanes.py). A request whose consumer goes away (client disconnect, cancellation) is
+aborted, which frees its blocks at once. A step that fails fails the
 requests it held with `EngineStepError` (their blocks are freed) and is recorded for the health
 check; the loop keeps serving the others. A device fault (a CUDA error) stops the loop: every
 request gets `EngineDeadError` and `/health` says "dead" and why.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -35,8 +37,10 @@ from mm_engine.async_types import (
 from mm_engine.config import EngineConfig
 from mm_engine.engine import LLMEngine
 from mm_engine.engine_loop import Command, EngineLoop, Stream
+from mm_engine.input_lanes import LIGHT_INPUT_BYTES, InputLanes, input_weight
+from mm_engine.output_collector import OutputCollector
 from mm_engine.outputs import RequestOutput
-from mm_engine.sampling_params import SamplingParams
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 from mm_engine.vision.image_io import ImageLimits
 
 logger = logging.getLogger(__name__)
@@ -49,6 +53,7 @@ class AsyncLLM(EngineLoop):
         *,
         image_limits: ImageLimits | None = None,
         input_workers: int = 2,
+        light_input_bytes: int = LIGHT_INPUT_BYTES,
         stall_timeout: float = 60.0,
         listener: StatsListener | None = None,
     ) -> None:
@@ -57,7 +62,7 @@ class AsyncLLM(EngineLoop):
             engine.inputs.limits = image_limits  # before the worker pool exists: no race
         self.stall_timeout = stall_timeout
         self.listener = listener
-        self._pool = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="mm-inputs")
+        self._lanes = InputLanes(input_workers, light_input_bytes)
         self._inbox: collections.deque[Command] = collections.deque()
         self._cond = threading.Condition()
         self._streams: dict[str, Stream] = {}
@@ -83,15 +88,22 @@ class AsyncLLM(EngineLoop):
 
     async def process_prompt(self, prompt: Any) -> ProcessedInputs:
         """Tokenize and load images of a `generate`-style prompt off the event loop."""
-        return await self.run_in_worker(lambda: ProcessedInputs(*self.engine.inputs.process(prompt)))
+        work = lambda: ProcessedInputs(*self.engine.inputs.process(prompt))  # noqa: E731
+        return await self.run_in_worker(work, weight=self._weigh(prompt))
 
     async def process_chat(self, messages: list[dict]) -> ProcessedInputs:
         """The same for OpenAI-style messages, through the model's chat template."""
-        return await self.run_in_worker(lambda: ProcessedInputs(*self.engine.inputs.chat(messages)))
+        work = lambda: ProcessedInputs(*self.engine.inputs.chat(messages))  # noqa: E731
+        return await self.run_in_worker(work, weight=self._weigh(messages))
 
-    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run CPU-bound input work (decoding, encoding, tokenizing) in the worker pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, weight: int | None = None) -> Any:
+        """Run CPU-bound input work (decoding, encoding, tokenizing) in a worker: a light one when
+        the work's input (`weight`, by default the arguments' size) is small, so that big inputs
+        never hold up small ones."""
+        return await self._lanes.run(self._weigh(args) if weight is None else weight, fn, *args)
+
+    def _weigh(self, obj: Any) -> int:
+        return input_weight(obj, limit=self._lanes.light_bytes)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -115,7 +127,9 @@ class AsyncLLM(EngineLoop):
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield one output per generated token until the request finishes.
+        """Yield outputs until the request finishes, shaped by `params.output_kind` (CUMULATIVE:
+        everything so far; DELTA: what is new; FINAL_ONLY: one output at the end). A consumer that
+        reads slower than the engine generates gets what is new merged into its next output.
 
         Raises ValueError when the engine refuses the request (too long, does not fit the pools),
         EngineError subclasses for server-side failures. Closing the iterator early aborts it.
@@ -124,18 +138,20 @@ class AsyncLLM(EngineLoop):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = Stream(
-            asyncio.get_running_loop(), asyncio.Queue(), inputs.modality, arrival_time or time.time()
-        )
+        collector = OutputCollector(params.output_kind)
+        stream = Stream(asyncio.get_running_loop(), collector, inputs.modality, arrival_time or time.time())
         self._streams[request_id] = stream
+        # The engine sends deltas whatever the caller asked; the collector shapes them.
+        engine_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         finished = False
         try:
-            self._send(Command("add", request_id, (inputs, params, priority)))
+            self._send(Command("add", request_id, (inputs, engine_params, priority)))
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has already dropped it
-                    raise item
+                try:
+                    item = await stream.collector.get()
+                except BaseException as exc:
+                    finished = not isinstance(exc, asyncio.CancelledError)  # the engine dropped it
+                    raise
                 finished = item.finished
                 yield item
                 if finished:
@@ -209,4 +225,4 @@ class AsyncLLM(EngineLoop):
         """Stop the engine thread; any request still open gets EngineDeadError."""
         self._send(Command("stop"))
         await asyncio.to_thread(self._thread.join)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lanes.shutdown()

@@ -32,7 +32,7 @@ from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, split_blocks
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import ImageSpan, Request
 from mm_engine.sampler import Sampler
-from mm_engine.sampling_params import SamplingParams
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 from mm_engine.sched.policy import make_policy
 from mm_engine.sched.scheduler import ScheduledBatch, Scheduler
 from mm_engine.thread_tokenizer import PerThreadTokenizer
@@ -234,8 +234,9 @@ class LLMEngine:
         outputs = []
         for k, token in zip(sampling, new_tokens, strict=True):
             req = batch.items[k][0]
-            delta = self._append(req, token, now)
-            outputs.append(self._output(req, delta))
+            out = self._output(req, self._append(req, token, now))
+            if out is not None:
+                outputs.append(out)
             if req.is_finished:
                 del self.requests[req.request_id]
         return outputs
@@ -261,14 +262,15 @@ class LLMEngine:
         self.runner.release(req.request_id)
         return req.detokenizer.flush() if reason != "abort" else ""
 
-    def _output(self, req: Request, delta: str) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=req.detokenizer.text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
+    def _output(self, req: Request, delta: str) -> RequestOutput | None:
+        kind = req.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not req.is_finished:
+            return None
+        if kind is RequestOutputKind.DELTA:  # one step appends one token
+            text, token_ids = delta, req.token_ids[-1:]
+        else:
+            text, token_ids = req.detokenizer.text, req.output_token_ids  # a fresh slice
+        completion = CompletionOutput(0, text, token_ids, req.finish_reason, req.stop_reason)
         metrics = RequestMetrics(
             req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time
         )

@@ -2,7 +2,8 @@
 sends each request's outputs back to the event loop that asked for them.
 
     inbox (deque + condition) --> _apply: add_processed / abort / call / stop
-    _step: engine.step() -> outputs -> each request's Stream (call_soon_threadsafe)
+    _step: engine.step() -> delta outputs -> one call_soon_threadsafe per event loop per step,
+           which puts each into its request's OutputCollector
 
 Everything here runs on exactly one thread; the asyncio-facing API is in async_llm.py.
 """
@@ -24,6 +25,7 @@ from mm_engine.async_types import (
     ProcessedInputs,
 )
 from mm_engine.faults import StepFailedError
+from mm_engine.output_collector import OutputCollector
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.scheduler import QueueFullError
@@ -37,21 +39,31 @@ class EngineDeviceLost(Exception):
 
 @dataclass(slots=True, eq=False)
 class Stream:
-    """One request's way back to its event loop. `queue` items: RequestOutput or an exception."""
+    """One request's way back to its event loop, where `collector` gathers its outputs."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    collector: OutputCollector
     modality: str
     arrival_time: float
     # engine-thread side
-    num_tokens: int = 0
     last_token_time: float | None = None
     in_engine: bool = False
     finished: bool = False
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, error: BaseException) -> None:
+        """End the request with `error` (its consumer gets what is pending first)."""
+        _call(self.loop, self.collector.put_error, error)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _deliver(items: list[tuple[OutputCollector, RequestOutput]]) -> None:
+    """On the event loop: one step's outputs, handed over in one callback."""
+    for collector, out in items:
+        collector.put(out)
 
 
 @dataclass(slots=True)
@@ -172,21 +184,23 @@ class EngineLoop:
         if self.listener is not None:
             self.listener.on_step(seconds, len(outputs), stats)
         now = time.time()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None or stream.finished:
                 continue  # aborted while this step ran; its abort command is already queued
             self._account(stream, out, now)
             stream.finished = out.finished
-            stream.put(out)
+            by_loop.setdefault(stream.loop, []).append((stream.collector, out))
+        for loop, items in by_loop.items():  # one hand-over per event loop per step
+            _call(loop, _deliver, items)
 
     def _account(self, stream: Stream, out: RequestOutput, now: float) -> None:
         if self.listener is None:
             return
-        n = len(out.outputs[0].token_ids)
         itl = None if stream.last_token_time is None else now - stream.last_token_time
-        self.listener.on_output(out, stream.modality, n - stream.num_tokens, itl)
-        stream.num_tokens, stream.last_token_time = n, now
+        self.listener.on_output(out, stream.modality, len(out.outputs[0].token_ids), itl)  # a delta
+        stream.last_token_time = now
         if out.finished:
             self.listener.on_finished(out, stream.modality, stream.arrival_time)
 

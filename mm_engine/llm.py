@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from mm_engine.config import EngineConfig
 from mm_engine.engine import LLMEngine
 from mm_engine.outputs import RequestOutput
-from mm_engine.sampling_params import SamplingParams
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 from mm_engine.sched.scheduler import QueueFullError
 
 
@@ -56,6 +57,8 @@ class LLM:
     def _run(self, adds: list, sampling_params, priority) -> list[RequestOutput]:
         n = len(adds)
         params = self._per_request(sampling_params or SamplingParams(), n, "sampling_params")
+        # Only the finished outputs are returned: no per-step copies of what is generated so far.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         prios = self._per_request(priority if priority is not None else 0, n, "priority")
         ids: list[str] = []
         finals: dict[str, RequestOutput] = {}

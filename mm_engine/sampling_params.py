@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a running request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: text and token ids from the start (copies grow per step)
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # no output until the request finishes; then everything
 
 
 @dataclass(slots=True)
@@ -17,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +55,8 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if any(not _integer(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,7 @@
-"""No tokenizer object is ever entered by two threads: input workers tokenize long prompts while
-the engine thread detokenizes streams (transformers' fast tokenizers fail with "Already borrowed"
-when two threads meet inside one)."""
+"""Input work across threads: no tokenizer object is ever entered by two threads (input workers
+tokenize long prompts while the engine thread detokenizes streams; transformers' fast tokenizers
+fail with "Already borrowed" when two threads meet inside one), and big inputs holding every
+heavy worker do not stall a small one."""
 
 from __future__ import annotations
 
@@ -46,3 +47,38 @@ def test_each_thread_tokenizes_with_its_own_tokenizer(clip_llama, monkeypatch):
     assert any(n.startswith("mm-inputs") for n in used_by) and "mm-engine-loop" in used_by
     shared = {obj: names for obj, names in threads.items() if len(names) > 1}
     assert not shared, f"tokenizer objects used by several threads: {shared}"
+
+
+def test_big_inputs_do_not_stall_small_ones(clip_llama, monkeypatch):
+    """Two big prompts hold every input worker (their tokenizing is made to wait); a small one
+    is still processed and answered meanwhile."""
+    llm = AsyncLLM.from_engine_args(clip_llama, kv_cache_memory_bytes=8 * 1024**2, input_workers=2)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    chat = llm.engine.inputs.chat
+
+    def slow_for_big(messages, *args, **kwargs):
+        if len(messages[0]["content"]) > 100_000:
+            started.release()
+            release.wait(60)
+        return chat(messages, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.inputs, "chat", slow_for_big)
+    big = [{"role": "user", "content": "what " * 40_000}]
+    small = [{"role": "user", "content": "what is the red square"}]
+
+    async def scenario():
+        try:
+            held = [asyncio.ensure_future(llm.process_chat(big)) for _ in range(2)]
+            for _ in range(2):  # both heavy workers are inside the big prompts now
+                assert await asyncio.to_thread(started.acquire, True, 60)
+            inputs = await asyncio.wait_for(llm.process_chat(small), 30)
+            outs = [o async for o in llm.generate(inputs, SamplingParams(max_tokens=3, ignore_eos=True))]
+            assert outs[-1].finished and not any(h.done() for h in held)
+            release.set()
+            await asyncio.gather(*held, return_exceptions=True)
+        finally:
+            release.set()
+            await llm.shutdown()
+
+    asyncio.run(scenario())
