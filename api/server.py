@@ -50,6 +50,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-length", type=int, default=_D.max_stop_length)
     g.add_argument("--default-max-tokens", type=int, default=_D.default_max_tokens)
     g.add_argument("--default-caption-prompt", default=_D.default_caption_prompt)
+    g.add_argument("--header-timeout", type=float, default=_D.header_timeout,
+                   help="seconds a client may take to send a request's head (then 408, closed)")  # fmt: skip
+    g.add_argument("--body-timeout", type=float, default=_D.body_timeout,
+                   help="seconds a client may go silent while sending a body (then 408, closed)")  # fmt: skip
     g.add_argument("--shutdown-timeout", type=float, default=_D.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM")  # fmt: skip
     g.add_argument("--health-stall-timeout", type=float, default=_D.health_stall_timeout)
@@ -85,6 +89,8 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         allowed_media_domains=tuple(domains),
         media_fetch_timeout=args.media_fetch_timeout,
         media_max_redirects=args.media_max_redirects,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
         shutdown_timeout=args.shutdown_timeout,
         health_stall_timeout=args.health_stall_timeout,
         input_workers=args.input_workers,
@@ -106,6 +112,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from mm_engine.api.app import create_app
     from mm_engine.api.draining_server import DrainingServer
+    from mm_engine.api.timeouts import timed_h11_protocol
     from mm_engine.async_llm import AsyncLLM
     from mm_engine.cli import engine_kwargs
     from mm_engine.config import EngineConfig
@@ -131,6 +138,7 @@ def run_server(args: argparse.Namespace) -> int:
     print(f"mm-engine: serving {settings.served_model_names[0]!r} on http://{host}:{port}", flush=True)
     config = uvicorn.Config(
         app,
+        http=timed_h11_protocol(settings.header_timeout, settings.body_timeout),
         log_level=args.log_level,
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=5,

@@ -28,6 +28,8 @@ class ServerSettings:
     allowed_media_domains: tuple[str, ...] = ()  # hosts whose http(s) image URLs may be fetched
     media_fetch_timeout: float = 10.0  # seconds for one whole fetch, redirects included
     media_max_redirects: int = 3
+    header_timeout: float = 10.0  # seconds a client may take to send a request's head
+    body_timeout: float = 30.0  # seconds a client may go silent while sending a body
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests get before being aborted
     health_stall_timeout: float = 60.0  # busy with no loop progress this long: /health says 503
     retry_after_seconds: int = 1  # Retry-After on 429 (queue full) and 503 (draining)
@@ -53,7 +55,13 @@ class ServerSettings:
         for name in ("max_stop_strings", "media_max_redirects", "retry_after_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
-        for name in ("media_fetch_timeout", "shutdown_timeout", "health_stall_timeout"):
+        for name in (
+            "media_fetch_timeout",
+            "header_timeout",
+            "body_timeout",
+            "shutdown_timeout",
+            "health_stall_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         # Our cap replaces Pillow's bomb check (the header is checked before decoding), so it may

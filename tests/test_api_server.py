@@ -39,7 +39,7 @@ CAPTION_PROMPT = "Describe the image."
 @pytest.fixture(scope="module")
 def server(clip_llama):
     flags = ["--served-model-name", MODEL, "--max-body-bytes", "262144", "--max-images-per-request", "2",
-             "--shutdown-timeout", "120", "--default-max-tokens", "8"]  # fmt: skip
+             "--shutdown-timeout", "120", "--default-max-tokens", "8", "--header-timeout", "2"]  # fmt: skip
     with run_server(clip_llama, *flags) as s:
         yield s
 
@@ -284,6 +284,25 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
     assert metric(after, abort, finished_reason="abort") - metric(before, abort, finished_reason="abort") == 1
     generated = "mm_engine:generation_tokens_total"
     assert metric(after, generated) - metric(before, generated) < 200
+
+
+def test_half_open_connections_are_closed_after_the_header_timeout(server):
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    conns = [socket.create_connection((url.hostname, url.port)) for _ in range(20)]
+    for k, conn in enumerate(conns):
+        conn.settimeout(30)
+        if k % 2:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # half a request head
+    assert httpx.get(server.base_url + "/health").status_code == 200  # serving meanwhile
+    for k, conn in enumerate(conns):
+        answer = b""
+        while chunk := conn.recv(4096):  # returns b"" once the server closes it
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") if k % 2 else answer == b""
+        conn.close()
 
 
 def test_sigterm_drains_running_requests_refuses_new_ones_then_exits(server):
