@@ -125,6 +125,10 @@ def _on_validation(request: Request, exc: ValidationException) -> Response:
         return error_response(APIError(400, f"'{path}' is required", param=path))
     if detail.startswith("Validation failed for"):
         detail = "the request body is not valid"
+    if path == "" and detail == "'data'":  # Litestar's way of saying there is no body at all
+        return error_response(APIError(400, "the request body is empty; send a JSON object"))
+    if detail.startswith("Unsupported type: <class 'str'>"):  # a text field where a file goes
+        detail = "expected a file part (with a filename), got a text field"
     message = f"invalid value for '{path}': {detail}" if path else detail
     return error_response(APIError(400, message, param=path or None))
 
@@ -143,6 +147,8 @@ def _on_http(request: Request, exc: HTTPException) -> Response:
         message = f"the request body is larger than the limit of {limit} bytes"
     elif exc.detail == "Request Entity Too Large":  # Litestar 2's answer to too many form parts
         message = "the form has too many parts"
+    elif exc.detail == "Input data was truncated":  # msgspec, on blank or cut-off JSON
+        message = "the JSON body is blank or incomplete"
     else:
         message = exc.detail or "bad request"
     return error_response(APIError(status, message))

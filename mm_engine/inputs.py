@@ -117,12 +117,10 @@ class InputProcessor:
         return self.processing.process_images(pils, overrides)
 
     def _load(self, image: Any, index: int) -> PIL.Image.Image:
-        if isinstance(image, str):
-            if not image.startswith("data:"):
-                raise ValueError(f"image {index}: a string image must be a data: URL")
-            image = decode_data_url(image)
+        if isinstance(image, str) and not image.startswith("data:"):
+            raise ValueError(f"image {index}: a string image must be a data: URL")
         try:
-            return load_image(image, self.limits)
+            return load_image(decode_data_url(image) if isinstance(image, str) else image, self.limits)
         except ValueError as exc:
             raise type(exc)(f"image {index}: {exc}") from None
 
@@ -151,8 +149,11 @@ class InputProcessor:
                     url = part["image_url"]
                     url = url["url"] if isinstance(url, Mapping) else url
                     if not isinstance(url, str) or not url.startswith("data:"):
-                        raise ValueError("image_url must be a data: URL here (remote images are not fetched)")
-                    images.append(decode_data_url(url))
+                        raise ValueError(
+                            f"image {len(images)}: image_url must be a data: URL here "
+                            "(remote images are not fetched)"
+                        )
+                    images.append(url)  # decoded with the others, so that an error names it
                     parts.append({"type": "image"})
                 else:
                     raise ValueError(f"unsupported content part type {kind!r}; use 'text' or 'image_url'")

@@ -312,3 +312,59 @@ def test_image_kv_swapped_out_never_pushes_out_the_request_being_swapped_in():
     assert swap.has("text")
     assert swap.swap_out("image2", [2, 3], 8, has_image_blocks=True)  # unprotected text KV gives way
     assert not swap.has("text")
+
+
+def _messages_with_image(url: str) -> list[dict]:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "text", "text": "what"}, image]},
+    ]
+
+
+ERROR_CASES = {  # name: (route, request kwargs, expected message part, expected param)
+    "empty body": ("/v1/chat/completions", {"content": b""}, "the request body is empty", None),
+    "blank body": ("/v1/chat/completions", {"content": b"  "}, "blank or incomplete", None),
+    "text as image": ("/v1/caption", {"files": {"image": (None, b"hi")}}, "expected a file part", "image[0]"),
+    "bad base64": (
+        "/v1/chat/completions",
+        {"json": {"messages": _messages_with_image("data:image/png;base64,@@")}},
+        "not valid base64",
+        "messages[2].content[1].image_url",
+    ),
+    "no payload": (
+        "/v1/chat/completions",
+        {"json": {"messages": _messages_with_image("data:image/png;base64")}},
+        "no ','",
+        "messages[2].content[1].image_url",
+    ),
+    "out of range": (
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "user", "content": "a"}], "top_p": 5}},
+        "<= 1.0",
+        "top_p",
+    ),
+}
+
+
+def test_error_messages_say_what_is_wrong_and_where(clip_llama):
+    import asyncio
+
+    from litestar.testing import TestClient
+
+    from mm_engine.api.app import create_app
+    from mm_engine.api.settings import ServerSettings
+    from mm_engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
+    try:
+        with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
+            for name, (route, kwargs, message, param) in ERROR_CASES.items():
+                headers = {"content-type": "application/json"} if "content" in kwargs else None
+                r = client.post(route, headers=headers, **kwargs)
+                assert r.status_code == 400, (name, r.text)
+                error = r.json()["error"]
+                assert message in error["message"] and error["param"] == param, (name, error)
+    finally:
+        asyncio.run(llm.shutdown())
