@@ -110,6 +110,35 @@ def test_sixteen_bit_images_are_scaled_not_clipped():
     assert np.array_equal(np.asarray(loaded), want)  # not all 255 past the first few pixels
 
 
+def _jpeg(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=100)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("image", "rgb"),
+    [
+        (Image.fromarray(np.full((8, 8), 40000, dtype=np.int32)), 156),  # mode I: 16-bit range
+        (Image.fromarray(np.full((8, 8), 0.5, dtype=np.float32)), 128),  # mode F in [0, 1]
+        (Image.fromarray(np.full((8, 8), 300.0, dtype=np.float32)), 255),  # mode F beyond: clipped
+        (Image.fromarray(np.ones((8, 8), dtype=bool)), 255),  # mode 1
+        (Image.new("RGB", (8, 8), (102, 102, 102)).convert("P"), 102),  # a web-palette grey
+        (Image.new("LA", (8, 8), (70, 255)), 70),
+    ],
+    ids=["I", "F", "F-clipped", "1", "P", "LA"],
+)
+def test_other_modes_are_seen_as_a_viewer_shows_them(image, rgb):
+    from mm_engine.vision.image_io import load_image
+
+    loaded = load_image(image)
+    assert np.asarray(loaded.convert("RGB"))[0, 0].tolist() == [rgb] * 3
+    if image.mode not in ("I", "F"):  # those only come as objects; the rest round-trip as PNG
+        assert np.asarray(load_image(_png(image)).convert("RGB"))[0, 0].tolist() == [rgb] * 3
+    cmyk = load_image(_jpeg(Image.new("CMYK", (8, 8), (0, 255, 255, 0))))  # Adobe JPEGs are CMYK
+    assert np.allclose(np.asarray(cmyk.convert("RGB"))[0, 0], [255, 0, 0], atol=2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

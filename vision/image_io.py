@@ -77,13 +77,19 @@ _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 def _as_seen(image: Image.Image, limits: ImageLimits, name: str) -> Image.Image:
     """The image as a viewer shows it: EXIF orientation applied (when the limits say so), 16-bit
-    grey scaled to 8 bits (converting it to RGB would clip everything above 255 to white)."""
+    and 32-bit grey scaled to 8 bits (converting it to RGB would clip everything above 255 to
+    white), float grey scaled from [0, 1]. Palette, alpha, 1-bit and CMYK images stay as they are:
+    the families' RGB conversion composites alpha on white, as transformers does."""
     try:
         if limits.apply_exif_orientation and image.getexif().get(0x0112, 1) != 1:
             image = ImageOps.exif_transpose(image)
         if image.mode in _SIXTEEN_BIT or image.mode == "I":
             grey = np.asarray(image).astype(np.int64).clip(0, 65535) >> 8
             image = Image.fromarray(grey.astype(np.uint8))  # 2-D uint8: mode L
+        elif image.mode == "F":  # float grey: [0, 1] as most tools write it, else 0-255
+            grey = np.nan_to_num(np.asarray(image, dtype=np.float64))
+            scale = 255.0 if grey.size and grey.max() <= 1.0 else 1.0
+            image = Image.fromarray((grey * scale).round().clip(0, 255).astype(np.uint8))
     except Exception as e:  # a malformed EXIF block, an odd mode: never the client's traceback
         raise ImageError(f"{name} could not be converted (orientation or bit depth)") from e
     return image
