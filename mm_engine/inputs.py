@@ -11,6 +11,7 @@ from typing import Any
 
 import PIL.Image
 
+from mm_engine.chat_messages import text_chars, to_template_messages
 from mm_engine.models.interface import Processing
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import ImageLimits, decode_data_url, load_image
@@ -130,47 +131,14 @@ class InputProcessor:
         """OpenAI-style messages -> the chat template's prompt, its ids and the images in order."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        converted, images = [], []
-        for m in messages:
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError("each message must be a dict with 'role' and 'content'")
-            content = m["content"]
-            if isinstance(content, str):
-                converted.append({"role": m["role"], "content": content})
-                continue
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind == "image_url":
-                    url = part["image_url"]
-                    url = url["url"] if isinstance(url, Mapping) else url
-                    if not isinstance(url, str) or not url.startswith("data:"):
-                        raise ValueError(
-                            f"image {len(images)}: image_url must be a data: URL here "
-                            "(remote images are not fetched)"
-                        )
-                    images.append(url)  # decoded with the others, so that an error names it
-                    parts.append({"type": "image"})
-                else:
-                    raise ValueError(f"unsupported content part type {kind!r}; use 'text' or 'image_url'")
-            converted.append({"role": m["role"], "content": parts})
-        self.check_length(sum(_text_chars(m["content"]) for m in converted))
+        converted, images = to_template_messages(messages)
+        self.check_length(sum(text_chars(m["content"]) for m in converted))
         text = self.tokenizer.apply_chat_template(
             converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
         )
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, *self.expand(ids, images, overrides)
-
-
-def _text_chars(content) -> int:
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(part.get("text", "")) for part in content)
 
 
 def find_chat_template(model_dir: Path, tokenizer) -> str | None:

@@ -43,6 +43,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations, through the chat
         template. `mm_processor_kwargs`: processor options for these requests (e.g. `max_pixels`)."""
+        if not isinstance(messages, list | tuple):
+            kind = type(messages).__name__
+            raise ValueError(f"messages must be a list of message dicts (or of such lists), got {kind}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         adds = [
             functools.partial(self.engine.add_chat_request, conv, mm_processor_kwargs=mm_processor_kwargs)

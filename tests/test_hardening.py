@@ -165,6 +165,18 @@ def test_generate_arguments_name_themselves(llm):
         llm.generate(["USER: hi ASSISTANT:"], SamplingParams(max_tokens=2), priority=["x"])
     with pytest.raises(ValueError, match="a prompt must be a string or a dict, got int"):
         llm.generate([123], SamplingParams(max_tokens=2))
+    bad_chats = {
+        r"messages\[0\]\.role must be a string, got int": [{"role": 5, "content": "hi"}],
+        r"messages\[0\]\.content must be a string or a list": [{"role": "user", "content": 5}],
+        r"messages\[0\]\.content\[1\]\.text must be a string": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}
+        ],
+        r"messages\[0\]\.content\[0\]: unsupported part type": [{"role": "user", "content": [5]}],
+        "messages must be a list of message dicts": {"role": "user", "content": "hi"},
+    }
+    for match, messages in bad_chats.items():
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, SamplingParams(max_tokens=2))
 
 
 def test_http_health_head_request_id_empty_content_and_blank_caption_prompt(clip_llama):
