@@ -293,7 +293,7 @@ class LLMEngine:
     def kv_report(self) -> dict[str, dict]:
         """Per pool: blocks (total, used, free, cached), slots (allocated, filled), internal waste,
         prefix-cache queries/hits/misses, evictions, preemptions; plus swap and encoder-cache counts."""
-        report = self.blocks.report(self.scheduler.running + self.scheduler.waiting)
+        report = self.blocks.report([*self.scheduler.running, *self.scheduler.waiting])
         for name in (TEXT, IMAGE):
             report[name]["preemptions"] = self.scheduler.preemptions_by_pool[name]
         report["swap"] = {

@@ -91,6 +91,8 @@ class BlockManager:
 
     def allocate(self, req: Any, num_new_tokens: int, keep_watermark: bool = False) -> bool:
         """Extend the block table to hold `num_new_tokens` more tokens; all or nothing."""
+        if req.num_computed_tokens + num_new_tokens <= len(req.block_table) * self.block_size:
+            return True  # most decodes: the last block has room
         if not self.can_allocate(req, num_new_tokens, keep_watermark):
             return False
         have = len(req.block_table)

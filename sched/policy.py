@@ -22,6 +22,13 @@ class Policy(Protocol):
 
     def rank(self, req: Any, now: float) -> Rank: ...
 
+    def heap_keys(self, req: Any) -> list[tuple[str, tuple]]:
+        """(heap name, key) for each heap a waiting request sorts in, such that for any set of
+        waiting requests, at any time, the best-ranked of them is the smallest-key one in one of
+        the heaps (sched/waiting_queue.py). A request's rank must not change once it has been
+        scheduled: the scheduler ranks running requests once."""
+        ...
+
 
 def waited(req: Any, now: float) -> float:
     end = req.first_scheduled_time if req.first_scheduled_time is not None else now
@@ -36,6 +43,9 @@ class FCFSPolicy:
 
     def rank(self, req: Any, now: float) -> Rank:
         return (1, 0.0, req.arrival_time, req.seq_no)
+
+    def heap_keys(self, req: Any) -> list[tuple[str, tuple]]:
+        return [("arrival", (req.arrival_time, req.seq_no))]
 
 
 class PriorityPolicy:
@@ -67,6 +77,16 @@ class PriorityPolicy:
         boost = self.image_priority_boost if req.has_images else 0.0
         aging = self.image_priority_boost * min(wait / self.max_wait_s, 1.0)
         return (1, req.priority - boost - aging, req.arrival_time, req.seq_no)
+
+    def heap_keys(self, req: Any) -> list[tuple[str, tuple]]:
+        if req.first_scheduled_time is not None:  # its wait stopped counting: so did its rank
+            return [("frozen", self.rank(req, 0.0))]
+        # Never scheduled: the starving ones are the oldest (by arrival); the rest are ranked by
+        # score = priority - boost - k * (now - arrival), whose order does not depend on `now`.
+        boost = self.image_priority_boost if req.has_images else 0.0
+        k = self.image_priority_boost / self.max_wait_s
+        order = (req.arrival_time, req.seq_no)
+        return [("arrival", order), ("score", (req.priority - boost + k * req.arrival_time, *order))]
 
 
 def outranks(policy: Policy, a: Rank, b: Rank) -> bool:

@@ -1,6 +1,8 @@
 """Continuous batching under a token budget, with chunked prefill, priorities and preemption.
 
-Each step walks running and waiting requests together in rank order (the policy's rank):
+Each step walks running and waiting requests together in rank order (the policy's rank; running
+requests are ranked once, when admitted, and waiting ones are taken lazily from the waiting queue,
+so a step costs what it looks at, not the length of the queue):
 - a running request gets its next chunk (a decode is one token); when its pool has no block left,
   running requests ranked below it that are not yet scheduled this step are preempted, the fewest
   lowest-ranked ones that free blocks of the pool that is short (victims.py), else it waits itself;
@@ -18,7 +20,6 @@ must be written before any of its queries runs), before an image it would otherw
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 from mm_engine.pools.block_manager import IMAGE, BlockManager
@@ -26,6 +27,7 @@ from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.policy import Policy, outranks
 from mm_engine.sched.victims import choose_victims
+from mm_engine.sched.waiting_queue import WaitingQueue
 from mm_engine.vision.encoder_cache import EncoderCache
 
 
@@ -65,8 +67,10 @@ class Scheduler:
         self.swap = swap  # None: preemption recomputes
         self.max_waiting_requests = max_waiting_requests
         self.whole_images = whole_images
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []  # in rank order at the start of each step
+        self._ranks: dict[str, tuple] = {}  # running request id -> its rank (fixed once admitted)
+        self._preempted_now: set[str] = set()
         self.num_preemptions = 0
         self.preemptions_by_pool = {"text": 0, "image": 0}
         # Per request, the image its last chunk ended inside: its features are held by the runner
@@ -77,7 +81,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting_requests:
             raise QueueFullError(f"queue full: {len(self.waiting)} requests are waiting; try again later")
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -86,33 +90,44 @@ class Scheduler:
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
-        ranks = {r.request_id: self.policy.rank(r, now) for r in (*self.running, *self.waiting)}
-        key = lambda r: ranks[r.request_id]  # noqa: E731
-        self.running.sort(key=key)
-        self.waiting.sort(key=key)
+        ranks = self._ranks
+        self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         self._budget, self._encoder_left = self.max_num_batched_tokens, self.encoder_budget
         self._scheduled: set[str] = set()
-        self._ranks = ranks
+        self._preempted_now: set[str] = set()  # they wait at least one step
         # Prompt blocks that requests scheduled so far in this step are computing: a waiting
         # request (ranked below them) about to compute the same block waits for it to land in the
         # prefix cache instead.
         self._in_flight: set[bytes] = set()
-        admitting = True
-        for req in list(heapq.merge(self.running, self.waiting, key=key)):
-            if self._budget == 0:
-                break
-            if req in batch.preempted:
-                continue  # preempted earlier in this step: it waits at least one step
-            if req.status is Status.RUNNING:
-                self._schedule_running(req, batch)
-            elif admitting:
-                admitting = self._admit(req, now, batch)
+        running = list(self.running)
+        waiting = self.waiting.in_rank_order(now)
+        try:
+            nxt = next(waiting, None)
+            nxt_rank = None if nxt is None else self.policy.rank(nxt, now)
+            i = 0
+            while self._budget > 0 and (i < len(running) or nxt is not None):
+                if i < len(running) and running[i].request_id in self._preempted_now:
+                    i += 1  # preempted earlier in this step: it waits at least one step
+                    continue
+                if nxt is not None and (i == len(running) or nxt_rank < ranks[running[i].request_id]):
+                    if nxt.request_id in self._preempted_now or self._admit(nxt, nxt_rank, now, batch):
+                        nxt = next(waiting, None)
+                        nxt_rank = None if nxt is None else self.policy.rank(nxt, now)
+                    else:
+                        nxt = None  # waiting requests never overtake each other
+                    continue
+                self._schedule_running(running[i], batch)
+                i += 1
+        finally:
+            waiting.close()  # what was looked at but stays waiting goes back into the queue
         return batch
 
     def _chunk(self, req: Request) -> tuple[int, int]:
         """Tokens this request may compute now, and the image tokens to encode for them."""
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, self._budget)
+        if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image to encode
+            return n, 0
         if self.whole_images:
             n = self._not_inside_an_image(req, start, n)
         cost = 0
@@ -150,14 +165,15 @@ class Scheduler:
         self._budget -= n
         self._encoder_left -= cost
         self._scheduled.add(req.request_id)
+        if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image
+            return
         end = req.num_computed_tokens + n
         inside = [j for j, s in enumerate(req.images) if s.offset < end < s.offset + s.length]
         if inside:
             self._straddling[req.request_id] = inside[0]
         else:
             self._straddling.pop(req.request_id, None)
-        if req.num_computed_tokens < req.num_prompt_tokens:
-            self._in_flight.update(self.blocks.pending_prompt_hashes(req))
+        self._in_flight.update(self.blocks.pending_prompt_hashes(req))
 
     def _schedule_running(self, req: Request, batch: ScheduledBatch) -> None:
         n, cost = self._chunk(req)
@@ -188,7 +204,7 @@ class Scheduler:
                 return
             yield r
 
-    def _admit(self, req: Request, now: float, batch: ScheduledBatch) -> bool:
+    def _admit(self, req: Request, rank: tuple, now: float, batch: ScheduledBatch) -> bool:
         """Admit `req` if it fits; returns whether the requests behind it may still be admitted."""
         swapped = self.swap is not None and self.swap.has(req.request_id)
         cached = 0
@@ -208,9 +224,7 @@ class Scheduler:
         if n > 0:
             short = self.blocks.shortfall(req, n, keep_watermark=True)
             seats = len(self.running) + 1 - self.max_num_seqs
-            victims = choose_victims(
-                self.blocks, short, seats, self._candidates(outranked_by=self._ranks[req.request_id])
-            )
+            victims = choose_victims(self.blocks, short, seats, self._candidates(outranked_by=rank))
             for victim in victims or []:
                 self.preempt(victim, batch)
             if victims is None or not self.blocks.can_allocate(req, n, keep_watermark=True):
@@ -227,6 +241,7 @@ class Scheduler:
             self.blocks.count_lookup(req, cached // self.blocks.block_size)
         self.waiting.remove(req)
         self.running.append(req)
+        self._ranks[req.request_id] = rank  # fixed from now on: its wait stopped counting
         req.status = Status.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -239,6 +254,7 @@ class Scheduler:
     def preempt(self, req: Request, batch: ScheduledBatch | None = None) -> None:
         """Free a running request's blocks (swapping its KV to host if asked) and make it wait."""
         self.running.remove(req)
+        del self._ranks[req.request_id]
         bs = self.blocks.block_size
         held = req.block_table[: -(-req.num_computed_tokens // bs)]
         image_pool = self.blocks.pools[IMAGE]
@@ -255,15 +271,17 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self.waiting.add(req)
+        self._preempted_now.add(req.request_id)
         if batch is not None:
             batch.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request from whichever queue holds it, freeing its blocks."""
-        if req in self.running:
+        if req.status is Status.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+            del self._ranks[req.request_id]
+        elif req.status is Status.WAITING:
             self.waiting.remove(req)
         if self.swap is not None:
             self.swap.drop(req.request_id)
