@@ -10,6 +10,8 @@ ones that sample this step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mm_engine.kernels.backend import AttentionBackend
@@ -18,6 +20,19 @@ from mm_engine.models.interface import MultimodalModel
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.request import ImageSpan, Request
 from mm_engine.vision.encoder_cache import EncoderCache
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's forward inputs, prepared on the host and already on the device."""
+
+    ids: torch.Tensor  # [tokens] (image positions zeroed: their embeddings are replaced)
+    positions: torch.Tensor  # [tokens], or [3, tokens] for M-RoPE
+    meta: AttentionMetadata
+    embed_rows: torch.Tensor | None  # flat rows that take vision embeddings
+    embed_feats: torch.Tensor | None  # [rows, 1 + deepstack, hidden]
+    sample_rows: list[int]  # flat rows whose logits are sampled
+    sampling: list[int]  # the batch items they belong to
 
 
 class ModelRunner:
@@ -41,9 +56,14 @@ class ModelRunner:
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
 
-    @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[int]]:
         """Returns logits `[len(sampling), vocab]` (float32) and the indices into `items` they belong to."""
+        return self.forward(self.prepare(items))
+
+    @torch.inference_mode()
+    def prepare(self, items: list[tuple[Request, int]]) -> StepInputs:
+        """Everything a forward needs, as tensors on the device: the host's share of a step
+        (images a chunk reaches are encoded here too)."""
         self._encode_images(items)
         bs = self.block_size
         ids: list[int] = []
@@ -78,26 +98,32 @@ class ModelRunner:
         meta = self._metadata(items, slots)
         if bidirectional:
             meta.bidirectional = self._ranges(len(ids), bidirectional)
-        lm = self.model.language_model
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        deepstack = None
+        rows = feats = None
         if embed_rows:
             rows = torch.cat(embed_rows).to(self.device)
             feats = torch.cat(embed_feats)
             # Image-token ids may lie outside the vocabulary; their embeddings are replaced anyway.
             # (Only prompt positions: a generated image-token id is embedded like any other token.)
             ids_t[rows] = 0
-            embeds = lm.embed_tokens(ids_t)
-            embeds[rows] = feats[:, 0].to(embeds.dtype)
-            if feats.shape[1] > 1:
-                deepstack = (rows, feats[:, 1:])
-        else:
-            embeds = lm.embed_tokens(ids_t)
         pos_t = torch.cat(positions, dim=-1).to(self.device)
-        hidden = lm(embeds, pos_t, self.kv.k, self.kv.v, meta, self.backend, deepstack)
-        logits = lm.logits(hidden[sample_rows]) if sample_rows else hidden.new_empty((0, 0))
-        self._drop_used_images(items)
-        return logits, sampling
+        self._drop_used_images(items)  # what this step needs is in `feats` now
+        return StepInputs(ids_t, pos_t, meta, rows, feats, sample_rows, sampling)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, list[int]]:
+        """One forward over prepared inputs: logits of the rows that sample, and which items."""
+        lm = self.model.language_model
+        embeds = lm.embed_tokens(inputs.ids)
+        deepstack = None
+        if inputs.embed_rows is not None:
+            embeds[inputs.embed_rows] = inputs.embed_feats[:, 0].to(embeds.dtype)
+            if inputs.embed_feats.shape[1] > 1:
+                deepstack = (inputs.embed_rows, inputs.embed_feats[:, 1:])
+        hidden = lm(embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack)
+        rows = inputs.sample_rows
+        logits = lm.logits(hidden[rows]) if rows else hidden.new_empty((0, 0))
+        return logits, inputs.sampling
 
     def _ranges(
         self, n: int, pieces: list[tuple[torch.Tensor, int, int]]
