@@ -28,7 +28,7 @@ def create_app(
     llm: AsyncLLM, settings: ServerSettings | None = None, *, fetcher: MediaFetcher | None = None
 ) -> Litestar:
     settings = settings or ServerSettings()
-    llm.engine.inputs.limits = settings.image_limits()
+    llm.set_image_limits(settings.image_limits())
     metrics_ = Metrics(llm)
     llm.listener = metrics_
     fetcher = fetcher or MediaFetcher(

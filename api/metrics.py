@@ -70,7 +70,7 @@ class Metrics:
 
     def __init__(self, llm: AsyncLLM) -> None:
         self.registry = r = CollectorRegistry()
-        self.max_num_seqs = llm.engine.config.max_num_seqs
+        self.max_num_seqs = llm.model_info.max_num_seqs
         by = ["modality"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", by,
                               buckets=_LATENCY, registry=r)  # fmt: skip

@@ -80,12 +80,12 @@ async def create_caption(
     # An empty or blank prompt is no prompt: the default one, not a caption of nothing.
     prompt = settings.default_caption_prompt if not (data.prompt or "").strip() else data.prompt
     try:
-        inputs = await ctx.llm.run_in_worker(process_caption, ctx.llm.engine.inputs, prompt, images)
+        inputs = await ctx.llm.run_in_worker(process_caption, ctx.llm.inputs, prompt, images)
     except ImageError as exc:
         raise APIError(400, str(exc), param="image", code="invalid_image") from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
-    fit_max_tokens(params, data.max_tokens, len(inputs.token_ids), ctx.llm.engine.max_model_len,
+    fit_max_tokens(params, data.max_tokens, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
                    settings, "max_tokens", "prompt")  # fmt: skip
     rid = f"caption-{uuid.uuid4().hex}"
     gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)

@@ -125,7 +125,7 @@ async def create_chat_completion(
         param = where[k] if 0 <= k < len(where) else "messages"
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
     param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
-    fit_max_tokens(params, requested, len(inputs.token_ids), ctx.llm.engine.max_model_len,
+    fit_max_tokens(params, requested, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
                    settings, param, "messages")  # fmt: skip
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)

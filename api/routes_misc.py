@@ -15,7 +15,7 @@ from mm_engine.api.schemas import HealthResponse, ModelCard, ModelList, Platform
 
 def _card(request: Request, name: str) -> ModelCard:
     ctx = get_ctx(request)
-    return ModelCard(name, ctx.created, ctx.llm.engine.max_model_len)
+    return ModelCard(name, ctx.created, ctx.llm.model_info.max_model_len)
 
 
 @get("/v1/models", summary="List the served models", operation_id="listModels", tags=["openai"])

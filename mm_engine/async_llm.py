@@ -31,6 +31,7 @@ from mm_engine.async_types import (
     EngineDrainingError,
     EngineOverloadedError,
     Health,
+    ModelInfo,
     ProcessedInputs,
     StatsListener,
 )
@@ -38,6 +39,7 @@ from mm_engine.config import EngineConfig
 from mm_engine.engine import LLMEngine
 from mm_engine.engine_loop import Command, EngineLoop, Stream
 from mm_engine.input_lanes import LIGHT_INPUT_BYTES, InputLanes, input_weight
+from mm_engine.inputs import InputProcessor
 from mm_engine.output_collector import OutputCollector
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import RequestOutputKind, SamplingParams
@@ -60,6 +62,7 @@ class AsyncLLM(EngineLoop):
         self.engine = engine
         if image_limits is not None:
             engine.inputs.limits = image_limits  # before the worker pool exists: no race
+        self.model_info = ModelInfo(engine.max_model_len, engine.config.max_num_seqs)
         self.stall_timeout = stall_timeout
         self.listener = listener
         self._lanes = InputLanes(input_workers, light_input_bytes)
@@ -85,6 +88,16 @@ class AsyncLLM(EngineLoop):
         return cls(LLMEngine(EngineConfig.from_kwargs(model, **kwargs)), **own)
 
     # ---- inputs (worker pool) --------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """What turns prompts and images into engine inputs (thread-safe: each thread has its
+        own tokenizer); for `run_in_worker` jobs that need it."""
+        return self.engine.inputs
+
+    def set_image_limits(self, limits: ImageLimits) -> None:
+        """The limits every image is checked against; set before serving."""
+        self.engine.inputs.limits = limits
 
     async def process_prompt(self, prompt: Any) -> ProcessedInputs:
         """Tokenize and load images of a `generate`-style prompt off the event loop."""

@@ -43,6 +43,14 @@ class ProcessedInputs:
         return "image" if self.spans else "text"
 
 
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """What the API needs to know of the engine's model and limits (fixed for its life)."""
+
+    max_model_len: int
+    max_num_seqs: int
+
+
 @dataclass(slots=True)
 class Health:
     alive: bool  # the engine thread runs
