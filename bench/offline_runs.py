@@ -178,14 +178,7 @@ def _profile(engine) -> dict[str, float]:
     timed(engine.scheduler, "schedule", "scheduling")
     timed(engine.sampler, "sample", "sampling")
     timed(engine.inputs, "process", "input processing")
-    add = engine.add_processed
-
-    def add_with_timed_detok(*args, **kwargs):
-        rid = add(*args, **kwargs)
-        timed(engine.requests[rid].detokenizer, "step", "detokenization")
-        return rid
-
-    engine.add_processed = add_with_timed_detok
+    timed(engine.output, "process", "detokenization")  # text, stop strings, outputs
     return timers
 
 

@@ -80,7 +80,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    detokenizer: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -317,11 +317,11 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(llm, monkeyp
 def test_the_engine_leaves_torchs_global_state_alone(clip_llama, monkeypatch):
     import torch
 
-    import mm_engine.engine
+    import mm_engine.core.engine_core
     from mm_engine.cli import build_parser, engine_kwargs
 
     tuned = []
-    monkeypatch.setattr(mm_engine.engine, "tune_malloc", lambda: tuned.append(1))
+    monkeypatch.setattr(mm_engine.core.engine_core, "tune_malloc", lambda: tuned.append(1))
     torch.manual_seed(123)
     before, dtype = torch.get_rng_state(), torch.get_default_dtype()
     llm = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2)
