@@ -1,0 +1,81 @@
+"""Image pixels cross to the engine-core process once per content hash.
+
+The frontend's `PixelLedger` remembers which hashes' pixels it has sent (least recently used
+first, up to a byte budget); for those it sends the hash alone. When it lets one go, it says so in
+its next `Add`, and the core's `PixelStore`, which mirrors the ledger message by message, drops
+it. Requests that still need those pixels hold their own reference, so nothing in flight breaks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from mm_engine.core.messages import ImageMsg, TensorMsg
+from mm_engine.request import ImageSpan
+
+
+class PixelLedger:
+    """Frontend side: which pixels the core holds."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._held: OrderedDict[str, int] = OrderedDict()  # hash -> bytes
+        self.used_bytes = 0
+        self.sent_bytes = 0  # pixels that crossed, in all
+        self.saved_bytes = 0  # pixels that did not cross because the core had them
+
+    def encode(self, spans: list[ImageSpan]) -> tuple[list[ImageMsg], list[str]]:
+        """The images of one request as messages, and the hashes the core may now forget."""
+        msgs = []
+        for span in spans:
+            size = span.pixel_values.numel() * span.pixel_values.element_size()
+            key = span.content_hash
+            if key in self._held:
+                self._held.move_to_end(key)
+                pixels = mask = None
+                self.saved_bytes += size
+            else:
+                pixels = TensorMsg.of(span.pixel_values)
+                mask = None if span.pixel_mask is None else TensorMsg.of(span.pixel_mask)
+                self._held[key] = size
+                self.used_bytes += size
+                self.sent_bytes += size
+            embed_mask = None if span.embed_mask is None else list(span.embed_mask)
+            grid = None if span.grid is None else list(span.grid)
+            msgs.append(
+                ImageMsg(span.offset, span.length, key, span.num_embeds, embed_mask, grid, pixels, mask)
+            )
+        keep = {span.content_hash for span in spans}
+        forget = []
+        for key in list(self._held):
+            if self.used_bytes <= self.capacity_bytes:
+                break
+            if key not in keep:
+                self.used_bytes -= self._held.pop(key)
+                forget.append(key)
+        return msgs, forget
+
+
+class PixelStore:
+    """Core side: the pixels the ledger says the core holds."""
+
+    def __init__(self) -> None:
+        self._pixels: dict[str, tuple] = {}  # hash -> (pixel_values, pixel_mask)
+
+    def __len__(self) -> int:
+        return len(self._pixels)
+
+    def spans(self, images: list[ImageMsg], forget: list[str]) -> list[ImageSpan]:
+        out = []
+        for m in images:
+            if m.pixels is not None:
+                mask = None if m.pixel_mask is None else m.pixel_mask.tensor()
+                self._pixels[m.content_hash] = (m.pixels.tensor(), mask)
+            pixels, mask = self._pixels[m.content_hash]  # KeyError: the frontend broke the protocol
+            embed_mask = None if m.embed_mask is None else tuple(m.embed_mask)
+            grid = None if m.grid is None else tuple(m.grid)
+            key = m.content_hash
+            out.append(ImageSpan(m.offset, m.length, pixels, key, embed_mask, m.num_embeds, grid, mask))
+        for key in forget:
+            self._pixels.pop(key, None)
+        return out
