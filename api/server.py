@@ -57,6 +57,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=_D.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM")  # fmt: skip
     g.add_argument("--health-stall-timeout", type=float, default=_D.health_stall_timeout)
+    g.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="run the engine core in a process of its own (default), or on a thread of "
+                   "the server's process")  # fmt: skip
+    g.add_argument("--engine-core-restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart a crashed engine-core process (at most --max-core-restarts times); "
+                   "with --no-engine-core-restart the server exits with code 1 instead")  # fmt: skip
+    g.add_argument("--max-core-restarts", type=int, default=3)
     g.add_argument("--input-workers", type=int, default=_D.input_workers,
                    help="threads that tokenize and decode images")  # fmt: skip
     g.add_argument("--light-input-bytes", type=int, default=_D.light_input_bytes,
@@ -116,18 +123,31 @@ def run_server(args: argparse.Namespace) -> int:
     from mm_engine.async_llm import AsyncLLM
     from mm_engine.cli import engine_kwargs
     from mm_engine.config import EngineConfig
+    from mm_engine.core.async_client import AsyncMPLLM
     from mm_engine.engine import LLMEngine
 
     settings = settings_from_args(args, _model_name(args.model))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
-    llm = AsyncLLM(
-        engine,
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    common = dict(
         image_limits=settings.image_limits(),
         input_workers=settings.input_workers,
         light_input_bytes=settings.light_input_bytes,
         stall_timeout=settings.health_stall_timeout,
     )
+    exit_code = [0]
+    server: DrainingServer | None = None
+    if args.engine_core == "process":
+
+        def on_dead() -> None:  # the core died for good: with --no-engine-core-restart, so do we
+            exit_code[0] = 1
+            if server is not None:
+                server.should_exit = True
+
+        restart = dict(restart=args.engine_core_restart, max_restarts=args.max_core_restarts, on_dead=on_dead)
+        llm = AsyncMPLLM(config, **common, **restart)
+    else:
+        llm = AsyncLLM(LLMEngine(config), **common)
     app = create_app(llm, settings)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -136,7 +156,7 @@ def run_server(args: argparse.Namespace) -> int:
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
     print(f"mm-engine: serving {settings.served_model_names[0]!r} on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(
+    uv_config = uvicorn.Config(
         app,
         http=timed_h11_protocol(settings.header_timeout, settings.body_timeout),
         log_level=args.log_level,
@@ -144,13 +164,13 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = DrainingServer(config, llm, settings.shutdown_timeout)
+    server = DrainingServer(uv_config, llm, settings.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     finally:
         asyncio.run(llm.shutdown())
         sock.close()
-    return 0
+    return exit_code[0]
 
 
 def build_parser() -> argparse.ArgumentParser:

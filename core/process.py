@@ -99,6 +99,7 @@ class CoreProcess:
                 msg.priority, msg.arrival_time,
             )  # fmt: skip
             self.core.add(req)
+            self.send(m.Accepted(msg.request_id))
         except ValueError as exc:  # the client's request cannot run: its message is for the client
             self.send(m.Reject(msg.request_id, "invalid", str(exc)))
         except QueueFullError as exc:

@@ -18,7 +18,7 @@ from mm_engine.config import EngineConfig
 from mm_engine.core.engine_core import EngineCore
 from mm_engine.core.types import CoreRequest
 from mm_engine.faults import StepFailedError
-from mm_engine.frontend import build_frontend
+from mm_engine.frontend import PromptIntake, build_frontend
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.output_processor import OutputProcessor
 from mm_engine.outputs import RequestOutput
@@ -26,7 +26,7 @@ from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
 
 
-class LLMEngine:
+class LLMEngine(PromptIntake):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         path = resolve_model_path(config.model)
@@ -47,27 +47,12 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def add_request(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> str:
-        text, ids, spans = self.inputs.process(prompt)
-        return self.add_processed(text, ids, spans, params, request_id, priority)
-
-    def add_chat_request(
-        self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0,
-        mm_processor_kwargs: dict | None = None,
-    ) -> str:  # fmt: skip
-        text, ids, spans = self.inputs.chat(messages, mm_processor_kwargs)
-        return self.add_processed(text, ids, spans, params, request_id, priority)
-
     def add_processed(
         self, text: str | None, ids: list[int], spans: list[ImageSpan], params: SamplingParams,
         request_id: str | None = None, priority: int = 0,
     ) -> str:  # fmt: skip
         """Queue a request whose inputs `self.inputs` already processed (possibly on another thread)."""
-        request_id = str(next(self._seq)) if request_id is None else str(request_id)
-        if request_id in self.output:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = self._request_id(request_id)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         arrival = time.time()
         self.core.add(CoreRequest(request_id, ids, spans, params, eos, priority, arrival))

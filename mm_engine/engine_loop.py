@@ -183,26 +183,7 @@ class EngineLoop:
         stats = self._stats = self.engine.stats()
         if self.listener is not None:
             self.listener.on_step(seconds, len(outputs), stats)
-        now = time.time()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None or stream.finished:
-                continue  # aborted while this step ran; its abort command is already queued
-            self._account(stream, out, now)
-            stream.finished = out.finished
-            by_loop.setdefault(stream.loop, []).append((stream.collector, out))
-        for loop, items in by_loop.items():  # one hand-over per event loop per step
-            _call(loop, _deliver, items)
-
-    def _account(self, stream: Stream, out: RequestOutput, now: float) -> None:
-        if self.listener is None:
-            return
-        itl = None if stream.last_token_time is None else now - stream.last_token_time
-        self.listener.on_output(out, stream.modality, len(out.outputs[0].token_ids), itl)  # a delta
-        stream.last_token_time = now
-        if out.finished:
-            self.listener.on_finished(out, stream.modality, stream.arrival_time)
+        hand_out(self._streams, outputs, self.listener)
 
     def _on_step_failure(self, exc: Exception) -> None:
         # A StepFailedError names the requests the failed batch held (the engine dropped them);
@@ -234,3 +215,27 @@ class EngineLoop:
             for cmd in self._inbox:
                 self._refuse(cmd, error)
             self._inbox.clear()
+
+
+def hand_out(streams: dict[str, Stream], outputs: list[RequestOutput], listener) -> None:
+    """One step's outputs to their streams: one hand-over per event loop (from any thread)."""
+    now = time.time()
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is None or stream.finished:
+            continue  # aborted while this step ran; its abort command is already queued
+        if listener is not None:
+            _account(listener, stream, out, now)
+        stream.finished = out.finished
+        by_loop.setdefault(stream.loop, []).append((stream.collector, out))
+    for loop, items in by_loop.items():
+        _call(loop, _deliver, items)
+
+
+def _account(listener, stream: Stream, out: RequestOutput, now: float) -> None:
+    itl = None if stream.last_token_time is None else now - stream.last_token_time
+    listener.on_output(out, stream.modality, len(out.outputs[0].token_ids), itl)  # a delta
+    stream.last_token_time = now
+    if out.finished:
+        listener.on_finished(out, stream.modality, stream.arrival_time)

@@ -4,14 +4,19 @@ in front of an engine-core process alike."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig
 
 from mm_engine import models
 from mm_engine.config import EngineConfig
 from mm_engine.inputs import InputProcessor, find_chat_template
+from mm_engine.output_processor import OutputProcessor
+from mm_engine.request import ImageSpan
+from mm_engine.sampling_params import SamplingParams
 from mm_engine.thread_tokenizer import PerThreadTokenizer
 
 IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
@@ -24,6 +29,41 @@ class Frontend:
     eos_token_ids: frozenset[int]
     max_model_len: int
     max_image_tokens: int
+
+
+class PromptIntake:
+    """`add_request` and `add_chat_request` for an engine: inputs processed here, then handed to
+    the engine's own `add_processed` (in-process core, or a core process)."""
+
+    inputs: InputProcessor
+    output: OutputProcessor  # whose requests are live
+    _seq: Iterator[int]
+
+    def _request_id(self, request_id: str | None) -> str:
+        """The caller's id (refused when live already), else the next number."""
+        request_id = str(next(self._seq)) if request_id is None else str(request_id)
+        if request_id in self.output:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return request_id
+
+    def add_processed(
+        self, text: str | None, ids: list[int], spans: list[ImageSpan], params: SamplingParams,
+        request_id: str | None = None, priority: int = 0,
+    ) -> str:  # fmt: skip
+        raise NotImplementedError
+
+    def add_request(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        text, ids, spans = self.inputs.process(prompt)
+        return self.add_processed(text, ids, spans, params, request_id, priority)
+
+    def add_chat_request(
+        self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        mm_processor_kwargs: dict | None = None,
+    ) -> str:  # fmt: skip
+        text, ids, spans = self.inputs.chat(messages, mm_processor_kwargs)
+        return self.add_processed(text, ids, spans, params, request_id, priority)
 
 
 def build_frontend(config: EngineConfig, path: Path, hf_config) -> Frontend:

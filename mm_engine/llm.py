@@ -15,9 +15,23 @@ from mm_engine.sched.scheduler import QueueFullError
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`model`: a checkpoint folder or a Hub name; None means the embedded demo model."""
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+    def __init__(self, model: str | None = None, *, multiprocess: bool = False, **engine_args: Any) -> None:
+        """`model`: a checkpoint folder or a Hub name; None means the embedded demo model.
+        `multiprocess`: run the engine core in a process of its own (tokenizing and
+        detokenizing stay here and overlap with its steps)."""
+        config = EngineConfig.from_kwargs(model, **engine_args)
+        if multiprocess:
+            from mm_engine.core.mp_engine import MPEngine
+
+            self.engine = MPEngine(config)
+        else:
+            self.engine = LLMEngine(config)
+
+    def close(self) -> None:
+        """Stop the engine-core process, if there is one (it also stops when the LLM is collected)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def tokenizer(self):

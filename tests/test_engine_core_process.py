@@ -1,0 +1,143 @@
+"""The engine core in a process of its own: the same tokens as in-process (images, stop strings,
+seeded sampling, preemption), pixels sent once per image, aborts freeing blocks, refusals raised
+as in-process, and a core that dies failing its requests, answering 503 while it restarts, and
+saying why in the health check."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from conftest import make_image
+
+from mm_engine import LLM, SamplingParams
+from mm_engine.async_types import EngineDeadError
+from mm_engine.core import messages as m
+from mm_engine.core.async_client import AsyncMPLLM
+from mm_engine.sched.scheduler import QueueFullError
+
+TIGHT = dict(kv_cache_memory_bytes=16 * 1024 * 20, block_size=8, image_pool_fraction=0.4)  # preempts
+
+
+def _image(seed: int, text: str = "what is this") -> dict:
+    return {"prompt": f"USER: <image> {text} ASSISTANT:", "multi_modal_data": {"image": make_image(seed)}}
+
+
+PROMPTS = [_image(1), "USER: what is red ASSISTANT:", _image(1, "describe it"), _image(2), _image(1)]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=12, stop=["a"]),
+    SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[17]),
+    SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=18, ignore_eos=True),
+]
+
+
+def test_the_core_process_gives_the_in_process_tokens(clip_llama):
+    expected = LLM(clip_llama, **TIGHT).generate(PROMPTS, PARAMS)
+    mp = LLM(clip_llama, multiprocess=True, **TIGHT)
+    try:
+        got = mp.generate(PROMPTS, PARAMS)
+        for a, b in zip(expected, got, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            assert b.outputs[0].text == a.outputs[0].text
+            assert (b.outputs[0].finish_reason, b.outputs[0].stop_reason) == (
+                a.outputs[0].finish_reason,
+                a.outputs[0].stop_reason,
+            )
+        assert mp.engine.stats()["num_preemptions_total"] > 0  # the pools were tight
+        pixels = mp.engine.pixels
+        # Image 1 is used three times and crosses once; image 2 once: 2 sent, 2 saved.
+        assert pixels.saved_bytes == pixels.sent_bytes > 0
+        with pytest.raises(ValueError, match="not a token id of this model"):
+            mp.generate({"prompt_token_ids": [1, 10**6]}, PARAMS[0])
+        report = mp.kv_report()
+        assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
+    finally:
+        mp.close()
+
+
+def test_a_full_queue_and_an_abort_through_the_core_process(clip_llama):
+    mp = LLM(clip_llama, multiprocess=True, max_waiting_requests=1, kv_cache_memory_bytes=4 * 1024**2,
+             max_num_seqs=1)  # fmt: skip
+    try:
+        engine = mp.engine
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        engine.add_request("USER: what ASSISTANT:", long, request_id="a")
+        engine.add_request("USER: what ASSISTANT:", long, request_id="b")  # waits: one seat
+        with pytest.raises(QueueFullError):
+            engine.add_request("USER: what ASSISTANT:", long, request_id="c")
+        engine.abort("a")
+        engine.abort("b")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and mp.kv_report()["text"]["used_blocks"]:
+            engine.step()
+        assert mp.kv_report()["text"]["used_blocks"] == 0 and not engine.has_unfinished()
+    finally:
+        mp.close()
+
+
+def test_a_dead_core_fails_its_requests_is_restarted_and_health_says_why(clip_llama):
+    llm = AsyncMPLLM.from_engine_args(clip_llama, kv_cache_memory_bytes=4 * 1024**2, max_restarts=1)
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def run(text: str):
+        inputs = await llm.process_prompt(f"USER: {text} ASSISTANT:")
+        n, last = 0, None
+        async for out in llm.generate(inputs, params):
+            n, last = n + 1, out
+            if n == 2 and text == "doomed":
+                llm.client.proc.kill()  # the core dies mid-stream
+        return last
+
+    async def scenario():
+        try:
+            with pytest.raises(EngineDeadError):
+                await run("doomed")
+            refused = None
+            try:
+                llm.check_admission()
+            except EngineDeadError as exc:
+                refused = exc
+            for _ in range(600):  # a fresh core starts in a few seconds
+                if llm.health().alive:
+                    break
+                await asyncio.sleep(0.05)
+            health = llm.health()
+            params.max_tokens = 3
+            after = await run("again")
+            return refused, health, after
+        finally:
+            await llm.shutdown()
+
+    refused, health, after = asyncio.run(scenario())
+    assert isinstance(refused, EngineDeadError)  # new requests: 503 while it restarts
+    assert health.alive and health.faults_total == 1
+    assert health.last_error == "the engine core process exited (code -9); restarted (1 of 1)"
+    assert after.finished and len(after.outputs[0].token_ids) == 3
+
+
+def test_without_restart_a_dead_core_stays_dead_and_says_so(clip_llama):
+    dead = []
+    llm = AsyncMPLLM.from_engine_args(
+        clip_llama, kv_cache_memory_bytes=4 * 1024**2, restart=False, on_dead=lambda: dead.append(1)
+    )
+    llm.client.proc.kill()
+    llm._thread.join(30)
+    health = llm.health()
+    assert dead == [1] and not health.alive and health.status == "dead"
+    assert health.last_error == "the engine core process exited (code -9)"
+    with pytest.raises(EngineDeadError):
+        llm.check_admission()
+    asyncio.run(llm.shutdown())
+
+
+def test_messages_round_trip_tensors_of_every_dtype():
+    for t in (torch.randn(2, 3), torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.empty(0, 3)):
+        msg = m.Add(
+            "r", [1], [m.ImageMsg(0, 1, "h", 1, pixels=m.TensorMsg.of(t))], SamplingParams(), [], 0, 0.0
+        )
+        back = m.decode_to_core(m.encode(msg)).images[0].pixels.tensor()
+        assert back.dtype == t.dtype and torch.equal(back, t)
