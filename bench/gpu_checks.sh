@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
 # The layout `pip install -e .` maps (pyproject's package-dir): mm_engine.kernels -> kernels/ ...
-for d in vision kernels pools sched api models; do
+for d in vision kernels pools sched api models core; do
     [ -e "mm_engine/$d" ] || ln -s "../$d" "mm_engine/$d"
 done
 
@@ -52,6 +52,9 @@ TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:c
 # 2. The README's first command on the GPU (demo model, float16).
 TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \
     --prompt "Describe the image."
+
+# 2b. Host time of a decode step at batch 1-256 on the GPU (in-process and the core's share).
+TAIL=12 step host_overhead 90 $PY -m bench.host_overhead --device cuda --json "$OUT/host_overhead_gpu.json"
 
 # 3. Paged attention against SDPA.
 TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"

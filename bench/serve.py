@@ -65,7 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--request-rate", type=float, default=0.5, help="req/s; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=8, help="requests in flight at most")
+    p.add_argument(
+        "--max-concurrency", "--concurrency", type=int, default=8, help="requests in flight at most"
+    )
+    p.add_argument("--compare-engine-core", action="store_true",
+                   help="replay the trace twice, `--engine-core thread` (the core in the server's "
+                   "process) then `process` (its own), and print both side by side")  # fmt: skip
     p.add_argument("--caption-fraction", type=float, default=0.5)
     p.add_argument("--shared-image-fraction", type=float, default=0.3)
     p.add_argument("--max-output-tokens", type=int, default=128, help="cap on the drawn output lengths")
@@ -304,20 +309,55 @@ def report(args: argparse.Namespace, trace: list[TraceItem], records: list[Reque
     }
 
 
+def run_once(args: argparse.Namespace, trace: list[TraceItem], pngs: list[bytes], n_images: int) -> dict:
+    with running_server(args) as url:
+        print(f"server ready at {url}; replaying {len(trace)} requests", flush=True)
+        records, duration = asyncio.run(replay(url, trace, pngs, args))
+    return report(args, trace, records, duration, n_images)
+
+
+COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+
+
+def compare(results: dict[str, dict]) -> dict:
+    """Thread against process on the same trace: each figure, and process / thread."""
+    thread, proc = (results[k]["metrics"]["overall"] for k in ("thread", "process"))
+    print("\n## engine core on a thread vs in its own process (same trace)\n")
+    print("| metric | thread | process | process / thread |\n|---|---:|---:|---:|")
+    rows = {}
+    for key in COMPARED:
+        a, b = thread.get(key), proc.get(key)
+        ratio = b / a if a and b is not None else None
+        rows[key] = {"thread": a, "process": b, "ratio": ratio}
+        print(
+            f"| {key} | {a:.2f} | {b:.2f} | {ratio:.3f} |" if ratio is not None else f"| {key} | - | - | - |"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # A SIGTERM to the benchmark must still stop the server: make it unwind like an exception.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     trace, n_images = make_trace(args)
     pngs = png_bytes(n_images, args.seed)
+    base_flags = args.server_args
     try:
-        with running_server(args) as url:
-            print(f"server ready at {url}; replaying {len(trace)} requests", flush=True)
-            records, duration = asyncio.run(replay(url, trace, pngs, args))
+        if args.compare_engine_core:
+            results = {}
+            for mode in ("thread", "process"):
+                args.server_args = f"{base_flags} --engine-core {mode}"
+                results[mode] = run_once(args, trace, pngs, n_images)
+            result = {
+                "runs": results,
+                "comparison": compare(results),
+                "machine": results["thread"]["machine"],
+            }
+        else:
+            result = run_once(args, trace, pngs, n_images)
     except RuntimeError as exc:  # the server failed, or a warm-up request did: no traceback
         print(f"bench.serve: error: {exc}", file=sys.stderr)
         return 1
-    result = report(args, trace, records, duration, n_images)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
