@@ -74,12 +74,28 @@ class ModelRunner:
         embed_feats: list[torch.Tensor] = []  # and those embeddings, [rows, 1 + deepstack, hidden]
         sample_rows: list[int] = []
         sampling: list[int] = []
+        mrope = self.model.uses_mrope
+        flat_positions: list[int] = []  # 1-D rotary positions, built as one list (cheaper per row)
         for k, (req, n) in enumerate(items):
             start, end, row0 = req.num_computed_tokens, req.num_computed_tokens + n, len(ids)
-            ids.extend(req.token_ids[start:end])
-            positions.append(self._positions(req, start, end))
             table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:  # a decode: the common case, without ranges or slices
+                ids.append(req.token_ids[start])
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(req.token_ids[start:end])
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if mrope:
+                positions.append(self._positions(req, start, end))
+            elif n == 1:
+                flat_positions.append(start)
+            else:
+                flat_positions.extend(range(start, end))
+            if start >= req.num_prompt_tokens:  # past every image
+                if end == req.num_tokens:
+                    sample_rows.append(len(ids) - 1)
+                    sampling.append(k)
+                continue
             for j, span in enumerate(req.images):
                 a, b = max(start, span.offset), min(end, span.offset + span.length)
                 if a < b:
@@ -106,7 +122,7 @@ class ModelRunner:
             # Image-token ids may lie outside the vocabulary; their embeddings are replaced anyway.
             # (Only prompt positions: a generated image-token id is embedded like any other token.)
             ids_t[rows] = 0
-        pos_t = torch.cat(positions, dim=-1).to(self.device)
+        pos_t = (torch.cat(positions, dim=-1) if mrope else torch.tensor(flat_positions)).to(self.device)
         self._drop_used_images(items)  # what this step needs is in `feats` now
         return StepInputs(ids_t, pos_t, meta, rows, feats, sample_rows, sampling)
 
