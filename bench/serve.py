@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-concurrency", "--concurrency", type=int, default=8, help="requests in flight at most"
     )
     p.add_argument("--compare-engine-core", action="store_true",
-                   help="replay the trace twice, `--engine-core thread` (the core in the server's "
-                   "process) then `process` (its own), and print both side by side")  # fmt: skip
+                   help="replay the trace four times, `--engine-core thread` (the core in the "
+                   "server's process) and `process` (its own) in ABBA order, and compare them")  # fmt: skip
     p.add_argument("--caption-fraction", type=float, default=0.5)
     p.add_argument("--shared-image-fraction", type=float, default=0.3)
     p.add_argument("--max-output-tokens", type=int, default=128, help="cap on the drawn output lengths")
@@ -319,19 +319,24 @@ def run_once(args: argparse.Namespace, trace: list[TraceItem], pngs: list[bytes]
 COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
-def compare(results: dict[str, dict]) -> dict:
-    """Thread against process on the same trace: each figure, and process / thread."""
-    thread, proc = (results[k]["metrics"]["overall"] for k in ("thread", "process"))
-    print("\n## engine core on a thread vs in its own process (same trace)\n")
+def compare(results: dict[str, list[dict]]) -> dict:
+    """Thread against process on the same trace: each figure (the mean over that mode's runs),
+    and process / thread."""
+
+    def mean(mode: str, key: str) -> float | None:
+        values = [r["metrics"]["overall"].get(key) for r in results[mode]]
+        return None if any(v is None for v in values) else sum(values) / len(values)
+
+    runs = len(results["thread"])
+    print(f"\n## engine core on a thread vs in its own process (same trace, {runs} runs each, ABBA)\n")
     print("| metric | thread | process | process / thread |\n|---|---:|---:|---:|")
     rows = {}
     for key in COMPARED:
-        a, b = thread.get(key), proc.get(key)
+        a, b = mean("thread", key), mean("process", key)
         ratio = b / a if a and b is not None else None
         rows[key] = {"thread": a, "process": b, "ratio": ratio}
-        print(
-            f"| {key} | {a:.2f} | {b:.2f} | {ratio:.3f} |" if ratio is not None else f"| {key} | - | - | - |"
-        )
+        cells = f"{a:.2f} | {b:.2f} | {ratio:.3f}" if ratio is not None else "- | - | -"
+        print(f"| {key} | {cells} |")
     return rows
 
 
@@ -344,14 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     base_flags = args.server_args
     try:
         if args.compare_engine_core:
-            results = {}
-            for mode in ("thread", "process"):
+            results: dict[str, list[dict]] = {"thread": [], "process": []}
+            for mode in ("thread", "process", "process", "thread"):  # ABBA: drift hits both alike
                 args.server_args = f"{base_flags} --engine-core {mode}"
-                results[mode] = run_once(args, trace, pngs, n_images)
+                results[mode].append(run_once(args, trace, pngs, n_images))
             result = {
                 "runs": results,
                 "comparison": compare(results),
-                "machine": results["thread"]["machine"],
+                "machine": results["thread"][0]["machine"],
             }
         else:
             result = run_once(args, trace, pngs, n_images)
