@@ -55,6 +55,7 @@ class _EngineCollector(Collector):
                                   value=s.get("encoder_cache_hits_total", 0))  # fmt: skip
         yield CounterMetricFamily(P + "num_preemptions", "Requests preempted (recompute or swap).",
                                   value=s.get("num_preemptions_total", 0))  # fmt: skip
+        yield from _per_core(s.get("per_core", []))
         info = self.llm.platform_info()
         kernels = GaugeMetricFamily(
             P + "cpu_kernels_info", "The CPU C kernels in use: ISA variant and kernel names (1).",
@@ -63,6 +64,22 @@ class _EngineCollector(Collector):
         variant = info["cpu_variant"] or "none"
         kernels.add_metric([variant, ",".join(info["cpu_kernels"]), info["attention_backend"]], 1.0)
         yield kernels
+
+
+def _per_core(per_core: list[dict]):
+    """With several engine cores (--data-parallel-size): each one's gauges, labelled by core."""
+    running = GaugeMetricFamily(P + "core_num_requests_running", "Running requests, per engine core.",
+                                labels=["core"])  # fmt: skip
+    waiting = GaugeMetricFamily(P + "core_num_requests_waiting", "Waiting requests, per engine core.",
+                                labels=["core"])  # fmt: skip
+    usage = GaugeMetricFamily(P + "core_kv_cache_usage_perc", "KV pool usage (0 to 1), per engine core.",
+                              labels=["core", "pool"])  # fmt: skip
+    for i, s in enumerate(per_core):
+        running.add_metric([str(i)], s.get("num_requests_running", 0))
+        waiting.add_metric([str(i)], s.get("num_requests_waiting", 0))
+        for pool in POOLS:
+            usage.add_metric([str(i), pool], s.get("kv_cache_usage_perc", {}).get(pool, 0.0))
+    yield from (running, waiting, usage)
 
 
 class Metrics:

@@ -64,6 +64,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="restart a crashed engine-core process (at most --max-core-restarts times); "
                    "with --no-engine-core-restart the server exits with code 1 instead")  # fmt: skip
     g.add_argument("--max-core-restarts", type=int, default=3)
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine-core processes, each with the whole model; requests go to the least "
+                   "loaded, or to the one that holds their image (--engine-core process)")  # fmt: skip
     g.add_argument("--input-workers", type=int, default=_D.input_workers,
                    help="threads that tokenize and decode images")  # fmt: skip
     g.add_argument("--light-input-bytes", type=int, default=_D.light_input_bytes,
@@ -145,7 +148,9 @@ def run_server(args: argparse.Namespace) -> int:
                 server.should_exit = True
 
         restart = dict(restart=args.engine_core_restart, max_restarts=args.max_core_restarts, on_dead=on_dead)
-        llm = AsyncMPLLM(config, **common, **restart)
+        llm = AsyncMPLLM(config, **common, **restart, data_parallel_size=args.data_parallel_size)
+    elif args.data_parallel_size != 1:
+        raise ValueError("--data-parallel-size needs --engine-core process")
     else:
         llm = AsyncLLM(LLMEngine(config), **common)
     app = create_app(llm, settings)

@@ -1,13 +1,18 @@
-"""`AsyncMPLLM`: the async engine with its core in a process of its own.
+"""`AsyncMPLLM`: the async engine with its core in processes of their own, one or several.
 
-    event loops ── add/abort (under a lock) ──> CoreClient.send ──ZMQ──> engine-core process
-    collectors <── hand_out ── reader thread: recv, detokenize, stop strings <──ZMQ── outputs
+    event loops ── route, add/abort (under a lock) ──> CoreClient.send ──ZMQ──> engine-core process
+    collectors <── hand_out ── a reader thread per core: recv, detokenize, stop strings <──ZMQ──
 
 This process keeps what needs the tokenizer or talks to clients: input processing (worker
-threads), detokenization and stop strings (the reader thread), streaming. The core process only
-steps. If it dies, running requests fail with EngineDeadError, new ones get 503 while it is
-restarted (at most `max_restarts` times; `restart=False` leaves the engine dead), and `/health`
-says why.
+threads), detokenization and stop strings (the reader threads), streaming. A core process only
+steps. With `data_parallel_size` N there are N cores, each with the whole model and its own
+pools; a request goes to the least loaded core, except that a request about an image one core
+holds already (its pixels, and likely its encoder output and image KV blocks) goes to that core
+unless it is busier than the least loaded by more than `affinity_slack` requests.
+
+If a core dies, its running requests fail with EngineDeadError, the other cores go on serving,
+and it is restarted (at most `max_restarts` times; `restart=False` leaves it down); while no core
+is up, new requests get 503. `/health` says why.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from mm_engine.async_frontend import AsyncFrontend
@@ -36,14 +42,29 @@ from mm_engine.core import messages as m
 from mm_engine.core.client import CoreClient
 from mm_engine.core.mp_engine import PIXEL_CACHE_BYTES
 from mm_engine.core.pixels import PixelLedger
+from mm_engine.core.stats import sum_stats
 from mm_engine.engine_loop import Command, Stream, hand_out
 from mm_engine.frontend import build_frontend
 from mm_engine.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.output_processor import OutputProcessor
+from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import ImageLimits
 
 logger = logging.getLogger("mm_engine.async_llm")
+
+
+@dataclass(eq=False)
+class _Core:
+    index: int
+    client: CoreClient
+    pixels: PixelLedger = field(default_factory=lambda: PixelLedger(PIXEL_CACHE_BYTES))
+    requests: set[str] = field(default_factory=set)  # live requests routed here
+    stats: dict = field(default_factory=dict)
+    thread: threading.Thread | None = None
+    restarts: int = 0
+    down: bool = False  # dead, or restarting: takes no requests
+    gone: bool = False  # down for good: its reader thread has ended
 
 
 class AsyncMPLLM(AsyncFrontend):
@@ -56,11 +77,17 @@ class AsyncMPLLM(AsyncFrontend):
         light_input_bytes: int = LIGHT_INPUT_BYTES,
         stall_timeout: float = 60.0,
         listener: StatsListener | None = None,
+        data_parallel_size: int = 1,
+        affinity_slack: int | None = None,
         restart: bool = True,
         max_restarts: int = 3,
         on_dead: Callable[[], None] | None = None,
     ) -> None:
-        """`on_dead`: called (on the reader thread) once the core is down for good."""
+        """`on_dead`: called (on a reader thread) once every core is down for good.
+        `affinity_slack`: how much busier than the least loaded core an image's core may be and
+        still get it (default: a quarter of max_num_seqs, at least 2)."""
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         path = resolve_model_path(config.model)
         frontend = build_frontend(config, path, load_config(path))
         if image_limits is not None:
@@ -68,70 +95,135 @@ class AsyncMPLLM(AsyncFrontend):
         self._core_config = dataclasses.replace(config, model=str(path))
         self._max_image_tokens = frontend.max_image_tokens
         self.eos_token_ids = frontend.eos_token_ids
-        self.tokenizer = frontend.tokenizer  # the reader thread's
-        self.restart, self.max_restarts, self.restarts = restart, max_restarts, 0
-        self.on_dead = on_dead
-        self.client = CoreClient(self._core_config, self._max_image_tokens)
-        ready = self.client.ready
+        self.tokenizer = frontend.tokenizer  # the reader threads' (they take turns under `_lock`)
+        self.restart, self.max_restarts, self.on_dead = restart, max_restarts, on_dead
+        clients = self._start_cores(data_parallel_size)
+        self._cores = [_Core(i, c, stats=c.ready.stats) for i, c in enumerate(clients)]
+        ready = clients[0].ready
+        self.affinity_slack = max(2, ready.max_num_seqs // 4) if affinity_slack is None else affinity_slack
         self._init_frontend(
-            frontend.inputs, ModelInfo(ready.max_model_len, ready.max_num_seqs), ready.max_waiting_requests,
-            ready.stats, ready.platform, input_workers, light_input_bytes, stall_timeout, listener,
+            frontend.inputs, ModelInfo(ready.max_model_len, ready.max_num_seqs),
+            ready.max_waiting_requests * data_parallel_size, sum_stats([c.stats for c in self._cores]),
+            ready.platform, input_workers, light_input_bytes, stall_timeout, listener,
         )  # fmt: skip
-        self._lock = threading.Lock()  # the output processor, the pixel ledger, the send order
+        self._lock = threading.Lock()  # the output processor, the ledgers, the routing, the sends
         self._output = OutputProcessor(self.tokenizer)
-        self._pixels = PixelLedger(PIXEL_CACHE_BYTES)
+        self._where: dict[str, _Core] = {}  # request id -> its core
         self._rpcs: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mm-engine-reader", daemon=True)
-        self._thread.start()
+        for core in self._cores:
+            core.thread = threading.Thread(
+                target=self._run, args=(core,), name=f"mm-core-{core.index}", daemon=True
+            )
+            core.thread.start()
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> AsyncMPLLM:
         own = {k: kwargs.pop(k) for k in list(kwargs) if k not in EngineConfig.__dataclass_fields__}
         return cls(EngineConfig.from_kwargs(model, **kwargs), **own)
 
+    def _start_cores(self, n: int) -> list[CoreClient]:
+        """Start `n` core processes at once (each loads the model) and wait for all."""
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(CoreClient, self._core_config, self._max_image_tokens) for _ in range(n)]
+            clients, errors = [], []
+            for f in futures:
+                try:
+                    clients.append(f.result())
+                except Exception as exc:
+                    errors.append(exc)
+        if errors:
+            for c in clients:
+                c.close()
+            raise errors[0]
+        return clients
+
     # ---- event-loop side ---------------------------------------------------------------------
+
+    def _route(self, spans: list[ImageSpan]) -> _Core | None:
+        """The core for a request: least loaded, or the one holding its images if not too busy."""
+        up = [c for c in self._cores if not c.down]
+        if not up:
+            return None
+        least = min(up, key=lambda c: (len(c.requests), c.index))
+        if spans:
+            near = [c for c in up if len(c.requests) <= len(least.requests) + self.affinity_slack]
+            best = max(near, key=lambda c: (c.pixels.held_bytes(spans), -len(c.requests), -c.index))
+            if best.pixels.held_bytes(spans):
+                return best
+        return least
 
     def _send(self, cmd: Command) -> None:
         stream = self._streams.get(cmd.request_id) if cmd.kind == "add" else cmd.stream
         if cmd.kind == "add":
             inputs, params, priority = cmd.args
             with self._lock:
-                if self._dead:
+                core = self._route(inputs.spans)
+                if core is None:
                     self._finish(stream, EngineDeadError("the engine is not running"))
                     return
-                images, forget = self._pixels.encode(inputs.spans)
+                images, forget = core.pixels.encode(inputs.spans)
                 eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
                 arrival = time.time()
                 self._output.add(cmd.request_id, inputs.text, inputs.token_ids, params, arrival)
+                core.requests.add(cmd.request_id)
+                self._where[cmd.request_id] = core
                 add = m.Add(cmd.request_id, inputs.token_ids, images, params, eos, priority, arrival, forget)
-                self.client.send(add)
+                core.client.send(add)
             stream.in_engine = True
         elif cmd.kind == "abort":
             with self._lock:
                 self._output.abort(cmd.request_id)
-                if not self._dead:
-                    self.client.send(m.Abort([cmd.request_id]))
+                core = self._where.pop(cmd.request_id, None)
+                if core is not None:
+                    core.requests.discard(cmd.request_id)
+                    if not core.down:
+                        core.client.send(m.Abort([cmd.request_id]))
             if stream is not None and not stream.finished:
                 if stream.in_engine and self.listener is not None:
                     self.listener.on_aborted(stream.modality)
                 self._finish(stream, cmd.error)
         elif cmd.kind == "stop":
-            self._stopping = True
             with self._lock:
-                if self.client.alive:
-                    self.client.send(m.Shutdown())
+                self._stopping = True
+                for core in self._cores:
+                    if core.client.alive:
+                        core.client.send(m.Shutdown())
 
     async def kv_report(self) -> dict[str, dict]:
-        call_id = next(self._call_ids)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._rpcs[call_id] = future
+        """The first live core's report (each core has its own pools); `kv_reports` for all."""
+        return (await self.kv_reports())[0]
+
+    async def kv_reports(self) -> list[dict[str, dict]]:
+        futures = []
         with self._lock:
-            if self._dead:
-                raise EngineDeadError("the engine is not running")
-            self.client.send(m.Rpc(call_id, "kv_report"))
-        return await asyncio.wrap_future(future)
+            for core in self._cores:
+                if core.down:
+                    continue
+                call_id = next(self._call_ids)
+                futures.append(self._rpcs.setdefault(call_id, concurrent.futures.Future()))
+                core.client.send(m.Rpc(call_id, "kv_report"))
+        if not futures:
+            raise EngineDeadError("the engine is not running")
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    def stats(self) -> dict:
+        """Summed over the cores, with each core's own under "per_core"."""
+        return self._stats
+
+    def core_of(self, request_id: str) -> int | None:
+        """Which core a live request runs on."""
+        core = self._where.get(request_id)
+        return None if core is None else core.index
+
+    def _alive(self) -> bool:
+        return any(c.thread is not None and c.thread.is_alive() for c in self._cores)
+
+    def _join(self) -> None:
+        for core in self._cores:
+            if core.thread is not None:
+                core.thread.join()
 
     @staticmethod
     def _finish(stream: Stream | None, error: BaseException | None) -> None:
@@ -140,41 +232,48 @@ class AsyncMPLLM(AsyncFrontend):
             if error is not None:
                 stream.put(error)
 
-    # ---- reader thread -----------------------------------------------------------------------
+    # ---- reader threads ----------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, core: _Core) -> None:
         while True:
-            msg = self.client.recv(0.25)
+            msg = core.client.recv(0.25)
             if msg is None:
-                if self.client.alive:
+                if core.client.alive:
                     continue
-                msg = m.Dead(f"the engine core process exited (code {self.client.proc.returncode})")
+                msg = m.Dead(f"the engine core process exited (code {core.client.proc.returncode})")
             self._heartbeat = time.monotonic()
             if isinstance(msg, m.Dead):
-                if not self._core_died(msg.reason):
+                if not self._core_died(core, msg.reason):
                     break
             else:
-                self._handle(msg)
-        self._dead = True
+                self._handle(core, msg)
         with self._lock:
-            self.client.close()
-        if self.on_dead is not None and not self._stopping:
+            core.client.close()
+            core.gone = True
+            everyone_gone = all(c.gone for c in self._cores)
+        if everyone_gone and self.on_dead is not None and not self._stopping:
             self.on_dead()
 
-    def _handle(self, msg: m.FromCore) -> None:
+    def _handle(self, core: _Core, msg: m.FromCore) -> None:
         if isinstance(msg, m.Outputs):
-            self._stats = msg.stats
+            core.stats = msg.stats
+            self._stats = sum_stats([c.stats for c in self._cores])
             if msg.step_seconds and self.listener is not None:
                 self.listener.on_step(msg.step_seconds, len(msg.outputs), msg.stats)
             with self._lock:
                 outputs, stopped = self._output.process(msg.outputs)
                 if stopped:  # stop strings ended them: the core must not generate more
-                    self.client.send(m.Abort(stopped))
-            self._last_step_failed = False if msg.step_seconds else self._last_step_failed
+                    core.client.send(m.Abort(stopped))
+                for out in outputs:
+                    if out.finished:
+                        self._forget(out.request_id)
+            if msg.step_seconds:
+                self._last_step_failed = False
             hand_out(self._streams, outputs, self.listener)
         elif isinstance(msg, m.Reject):
             with self._lock:
                 self._output.abort(msg.request_id)
+                self._forget(msg.request_id)
             error = {"invalid": ValueError, "full": EngineOverloadedError}.get(msg.kind)
             self._finish(
                 self._streams.get(msg.request_id),
@@ -183,48 +282,80 @@ class AsyncMPLLM(AsyncFrontend):
         elif isinstance(msg, m.StepFailed):
             self._faults += 1
             self._last_step_failed = True
-            self._last_error = f"engine step failed ({msg.error_kind})"
+            self._last_error = self._which(core) + f"engine step failed ({msg.error_kind})"
             with self._lock:
                 for rid in msg.request_ids:
                     self._output.abort(rid)
+                    self._forget(rid)
+            error = EngineStepError("the engine failed while running this request")
             for rid in msg.request_ids:
-                self._finish(
-                    self._streams.get(rid), EngineStepError("the engine failed while running this request")
-                )
+                self._finish(self._streams.get(rid), error)
         elif isinstance(msg, m.RpcReply):
             future = self._rpcs.pop(msg.call_id, None)
             if future is not None:
                 future.set_result(msg.result)
 
-    def _core_died(self, reason: str) -> bool:
-        """Fail what was running; restart the core if allowed. Returns whether to go on."""
+    def _forget(self, request_id: str) -> None:
+        core = self._where.pop(request_id, None)
+        if core is not None:
+            core.requests.discard(request_id)
+
+    def _which(self, core: _Core) -> str:
+        return f"core {core.index}: " if len(self._cores) > 1 else ""
+
+    def _core_died(self, core: _Core, reason: str) -> bool:
+        """Fail what ran on `core`; restart it if allowed. Returns whether to go on reading."""
         with self._lock:
-            self._dead = True  # new requests get 503 from now on
-            self._output = OutputProcessor(self.tokenizer)
-            self._pixels = PixelLedger(PIXEL_CACHE_BYTES)  # a new core holds no pixels
-        for future in self._rpcs.values():
-            future.set_exception(EngineDeadError("the engine core stopped"))
+            core.down = True
+            self._dead = all(c.down for c in self._cores)  # 503 once no core is up
+            core.pixels = PixelLedger(PIXEL_CACHE_BYTES)  # a new core holds no pixels
+            lost = list(core.requests)
+            for rid in lost:
+                self._output.abort(rid)
+                self._forget(rid)
+        for future in list(self._rpcs.values()):
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine core stopped"))
         self._rpcs.clear()
-        for stream in list(self._streams.values()):
-            self._finish(stream, EngineDeadError("the engine core stopped while running this request"))
+        for rid in lost:
+            self._finish(
+                self._streams.get(rid), EngineDeadError("the engine core stopped while running this request")
+            )
         if self._stopping:
             return False
         self._faults += 1
-        self._last_error = reason
-        logger.error("engine core died: %s", reason)
-        if not self.restart or self.restarts >= self.max_restarts:
+        self._last_error = self._which(core) + reason
+        logger.error("engine core %d died: %s", core.index, reason)
+        if not self.restart or core.restarts >= self.max_restarts:
             return False
-        self.restarts += 1
+        core.restarts += 1
         with self._lock:
-            self.client.close(timeout=2.0)
+            core.client.close(timeout=2.0)
         try:
             client = CoreClient(self._core_config, self._max_image_tokens)
         except Exception as exc:
-            self._last_error = f"{reason}; restarting it failed ({type(exc).__name__})"
+            self._last_error = self._which(core) + f"{reason}; restarting it failed ({type(exc).__name__})"
             return False
-        logger.warning("engine core restarted (%d of at most %d)", self.restarts, self.max_restarts)
+        logger.warning(
+            "engine core %d restarted (%d of at most %d)", core.index, core.restarts, self.max_restarts
+        )
         with self._lock:
-            self.client = client
-            self._last_error = f"{reason}; restarted ({self.restarts} of {self.max_restarts})"
+            if self._stopping:  # shut down while it restarted: it must not outlive us
+                client.close()
+                return False
+            core.client = client
+            self._last_error = (
+                self._which(core) + f"{reason}; restarted ({core.restarts} of {self.max_restarts})"
+            )
+            core.down = False
             self._dead = False
         return True
+
+    @property
+    def restarts(self) -> int:
+        return sum(c.restarts for c in self._cores)
+
+    @property
+    def client(self) -> CoreClient:
+        """The first core's client (the only one unless data-parallel)."""
+        return self._cores[0].client

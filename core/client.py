@@ -35,6 +35,7 @@ class CoreClient:
         self._push.bind(in_addr)
         self._pull.bind(out_addr)
         self._send_lock = threading.Lock()
+        self._closed = False
         start = StartUp(dataclasses.replace(config), max_image_tokens, in_addr, out_addr)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mm_engine.core.process"], stdin=subprocess.PIPE, env=os.environ.copy()
@@ -75,7 +76,10 @@ class CoreClient:
         return self.proc.poll() is None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ask the core to stop, then make sure it has; free the sockets."""
+        """Ask the core to stop, then make sure it has; free the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self.proc.poll() is None:
             try:
                 self.send(m.Shutdown())

@@ -24,6 +24,10 @@ class PixelLedger:
         self.sent_bytes = 0  # pixels that crossed, in all
         self.saved_bytes = 0  # pixels that did not cross because the core had them
 
+    def held_bytes(self, spans: list[ImageSpan]) -> int:
+        """Bytes of these images' pixels the core holds already (for routing by affinity)."""
+        return sum(self._held.get(span.content_hash, 0) for span in spans)
+
     def encode(self, spans: list[ImageSpan]) -> tuple[list[ImageMsg], list[str]]:
         """The images of one request as messages, and the hashes the core may now forget."""
         msgs = []

@@ -66,6 +66,12 @@ class AsyncFrontend:
     async def kv_report(self) -> dict[str, dict]:
         raise NotImplementedError
 
+    def _alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _join(self) -> None:
+        self._thread.join()
+
     # ---- inputs (worker pool) --------------------------------------------------------------------
 
     @property
@@ -173,7 +179,7 @@ class AsyncFrontend:
 
     def health(self) -> Health:
         since = time.monotonic() - self._heartbeat
-        alive = self._thread.is_alive() and not self._dead
+        alive = self._alive() and not self._dead
         return Health(
             alive=alive,
             draining=self._draining,
@@ -210,5 +216,5 @@ class AsyncFrontend:
     async def shutdown(self) -> None:
         """Stop the engine thread; any request still open gets EngineDeadError."""
         self._send(Command("stop"))
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._join)
         self._lanes.shutdown()

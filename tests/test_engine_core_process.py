@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 import torch
 from conftest import make_image
 
 from mm_engine import LLM, SamplingParams
+from mm_engine.api.app import create_app
+from mm_engine.api.settings import ServerSettings
 from mm_engine.async_types import EngineDeadError
 from mm_engine.core import messages as m
 from mm_engine.core.async_client import AsyncMPLLM
@@ -125,7 +128,10 @@ def test_without_restart_a_dead_core_stays_dead_and_says_so(clip_llama):
         clip_llama, kv_cache_memory_bytes=4 * 1024**2, restart=False, on_dead=lambda: dead.append(1)
     )
     llm.client.proc.kill()
-    llm._thread.join(30)
+    for _ in range(600):
+        if dead:
+            break
+        time.sleep(0.05)
     health = llm.health()
     assert dead == [1] and not health.alive and health.status == "dead"
     assert health.last_error == "the engine core process exited (code -9)"
@@ -141,3 +147,45 @@ def test_messages_round_trip_tensors_of_every_dtype():
         )
         back = m.decode_to_core(m.encode(msg)).images[0].pixels.tensor()
         assert back.dtype == t.dtype and torch.equal(back, t)
+
+
+def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_llama):
+    prompts = [_image(1), _image(1, "describe it"), "USER: what is red ASSISTANT:", _image(2)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(clip_llama, **TIGHT).generate(prompts, params)]
+    llm = AsyncMPLLM.from_engine_args(clip_llama, data_parallel_size=2, affinity_slack=4, **TIGHT)
+
+    async def run(prompt, rid):
+        inputs = await llm.process_prompt(prompt)
+        outs = [out async for out in llm.generate(inputs, params, request_id=rid)]
+        return outs[-1].outputs[0].token_ids
+
+    async def scenario():
+        try:
+            first = asyncio.ensure_future(run(prompts[0], "img1-a"))
+            await asyncio.sleep(0)  # the first is routed before the others arrive
+            while llm.core_of("img1-a") is None:
+                await asyncio.sleep(0.01)
+            rest = [asyncio.ensure_future(run(p, f"r{k}")) for k, p in enumerate(prompts[1:], 1)]
+            await asyncio.sleep(0.05)
+            placed = {rid: llm.core_of(rid) for rid in ("img1-a", "r1", "r2", "r3")}
+            got = await asyncio.gather(first, *rest)
+            stats = llm.stats()
+            transport = httpx.ASGITransport(app=create_app(llm, ServerSettings(served_model_names=["m"])))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                metrics = (await client.get("/metrics")).text
+            # Core 1 dies: a request on core 0 still runs; new ones go to core 0 meanwhile.
+            llm._cores[1].client.proc.kill()
+            after = await run(prompts[2], "after")
+            return placed, got, stats, after, metrics
+        finally:
+            await llm.shutdown()
+
+    placed, got, stats, after, metrics = asyncio.run(scenario())
+    assert 'mm_engine:core_num_requests_running{core="1"}' in metrics  # per core, and summed
+    assert got == expected  # each core computes what one engine does
+    assert placed["r1"] == placed["img1-a"]  # the same picture goes where its pixels are
+    assert placed["r2"] != placed["img1-a"]  # a text request goes to the less loaded core
+    assert len(stats["per_core"]) == 2
+    assert stats["num_preemptions_total"] == sum(s["num_preemptions_total"] for s in stats["per_core"])
+    assert after == expected[2]
