@@ -17,6 +17,7 @@ from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
 from mm_engine.async_types import EngineDrainingError
+from mm_engine.core.async_client import AsyncMPLLM
 
 SETTINGS = ServerSettings(served_model_names=["tiny", "tiny-alias"], default_max_tokens=8)
 
@@ -26,11 +27,18 @@ def ref(clip_llama):
     return LLM(clip_llama, **ENGINE_KW)
 
 
-@pytest.fixture(scope="module")
-def llm(clip_llama):
-    llm = AsyncLLM.from_engine_args(clip_llama, **ENGINE_KW)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def llm(clip_llama, request):
+    """The app's engine core on a thread of this process, and in a process of its own."""
+    kind = AsyncLLM if request.param == "thread" else AsyncMPLLM
+    llm = kind.from_engine_args(clip_llama, **ENGINE_KW)
     yield llm
     asyncio.run(llm.shutdown())
+
+
+def _in_process(llm):
+    if not isinstance(llm, AsyncLLM):
+        pytest.skip("inspects the in-process engine's calls")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +150,7 @@ def test_text_only_chat_and_stop_string(client, ref):
 
 
 def test_priority_reaches_the_engine(client, llm, monkeypatch):
+    _in_process(llm)
     seen = []
     add = llm.engine.add_processed
     monkeypatch.setattr(llm.engine, "add_processed", lambda *a, **k: (seen.append(a[-1]), add(*a, **k))[1])
@@ -155,6 +164,7 @@ def test_priority_reaches_the_engine(client, llm, monkeypatch):
 
 
 def test_caption_ignore_eos_reaches_the_engine(client, llm, monkeypatch):
+    _in_process(llm)
     seen = []
     add = llm.engine.add_processed
     monkeypatch.setattr(llm.engine, "add_processed", lambda *a, **k: (seen.append(a[3]), add(*a, **k))[1])

@@ -16,8 +16,8 @@ from vl_helpers import assert_all_free, greedy
 from mm_engine import LLM
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
-from mm_engine.async_llm import AsyncLLM
 from mm_engine.caption import caption_images
+from mm_engine.core.async_client import AsyncMPLLM
 
 FAMILIES = [
     "qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "mistral3", "llava_next", "llava_onevision", "gemma3",
@@ -35,7 +35,7 @@ def test_chat_and_caption_routes_answer_as_the_offline_engine(family):
     path, offline = family
     png = image_bytes(3, size=(90, 60))
     want = offline.chat(chat_messages(data_url(png), "what is this"), greedy(7))[0]
-    llm = AsyncLLM.from_engine_args(path, **ENGINE)
+    llm = AsyncMPLLM.from_engine_args(path, **ENGINE)  # the server's default: the core in a process
     try:
         with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
             body = {"model": "m", "messages": chat_messages(data_url(png)), "max_tokens": 7, "temperature": 0}
