@@ -40,7 +40,6 @@ from mm_engine.async_types import (
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
 from mm_engine.core.client import CoreClient
-from mm_engine.core.mp_engine import PIXEL_CACHE_BYTES
 from mm_engine.core.pixels import PixelLedger
 from mm_engine.core.stats import sum_stats
 from mm_engine.engine_loop import Command, Stream, hand_out
@@ -58,7 +57,7 @@ logger = logging.getLogger("mm_engine.async_llm")
 class _Core:
     index: int
     client: CoreClient
-    pixels: PixelLedger = field(default_factory=lambda: PixelLedger(PIXEL_CACHE_BYTES))
+    pixels: PixelLedger  # what this core holds of our images
     requests: set[str] = field(default_factory=set)  # live requests routed here
     stats: dict = field(default_factory=dict)
     thread: threading.Thread | None = None
@@ -98,7 +97,10 @@ class AsyncMPLLM(AsyncFrontend):
         self.tokenizer = frontend.tokenizer  # the reader threads' (they take turns under `_lock`)
         self.restart, self.max_restarts, self.on_dead = restart, max_restarts, on_dead
         clients = self._start_cores(data_parallel_size)
-        self._cores = [_Core(i, c, stats=c.ready.stats) for i, c in enumerate(clients)]
+        self._pixel_bytes = config.ipc_pixel_cache_bytes
+        self._cores = [
+            _Core(i, c, PixelLedger(self._pixel_bytes), stats=c.ready.stats) for i, c in enumerate(clients)
+        ]
         ready = clients[0].ready
         self.affinity_slack = max(2, ready.max_num_seqs // 4) if affinity_slack is None else affinity_slack
         self._init_frontend(
@@ -308,7 +310,7 @@ class AsyncMPLLM(AsyncFrontend):
         with self._lock:
             core.down = True
             self._dead = all(c.down for c in self._cores)  # 503 once no core is up
-            core.pixels = PixelLedger(PIXEL_CACHE_BYTES)  # a new core holds no pixels
+            core.pixels = PixelLedger(self._pixel_bytes)  # a new core holds no pixels
             lost = list(core.requests)
             for rid in lost:
                 self._output.abort(rid)

@@ -25,8 +25,6 @@ from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.sched.scheduler import QueueFullError
 
-PIXEL_CACHE_BYTES = 512 * 1024**2  # pixels the core keeps for this frontend, by content hash
-
 
 class MPEngine(PromptIntake):
     def __init__(self, config: EngineConfig) -> None:
@@ -37,7 +35,7 @@ class MPEngine(PromptIntake):
         self.eos_token_ids, self.max_model_len = frontend.eos_token_ids, frontend.max_model_len
         self.client = CoreClient(dataclasses.replace(config, model=str(path)), frontend.max_image_tokens)
         self.output = OutputProcessor(self.tokenizer)
-        self.pixels = PixelLedger(PIXEL_CACHE_BYTES)
+        self.pixels = PixelLedger(config.ipc_pixel_cache_bytes)
         self._seq = itertools.count()
         self._stats: dict = self.client.ready.stats
         self._early: list[m.FromCore] = []  # outputs that came while an add waited for its answer

@@ -47,6 +47,9 @@ class EngineConfig:
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True
     encoder_cache_bytes: int = 256 * 1024**2
+    # With the core in its own process: image pixels it keeps per frontend, by content hash, so a
+    # repeated image crosses once (core/pixels.py).
+    ipc_pixel_cache_bytes: int = 512 * 1024**2
     max_num_encoder_tokens: int | None = None  # image tokens encoded per step; None: budget or one image
     max_image_tokens: int | None = None  # prompt tokens one image may take; None: max_model_len // 4
     mm_processor_kwargs: dict | None = None  # processor options, e.g. {"max_pixels": 1003520} (Qwen)
@@ -72,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"max_image_tokens must be at least 1, got {self.max_image_tokens}")
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError("mm_processor_kwargs must be a dict of processor options")
-        for name in ("encoder_cache_bytes", "max_waiting_requests"):
+        for name in ("encoder_cache_bytes", "max_waiting_requests", "ipc_pixel_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
