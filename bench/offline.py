@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 1024**3)
     ap.add_argument("--profile", action="store_true", help="time the engine's phases (scheduling, ...)")
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="the engine core in a process of its own (LLM(multiprocess=True))")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--model",
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
     }
+    if args.multiprocess:
+        if args.profile:
+            ap.error("--profile times the in-process engine's phases: not with --multiprocess")
+        engine_args["multiprocess"] = True
     job = Job(
         model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile,
         rate_sizes=rate_sizes, device=args.device, dtype=dtype,
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_tokens = sum(n for _, _, n in requests)
     result = {
         "workload": args.workload,
+        "engine_core": "process" if args.multiprocess else "in-process",  # RSS: this process only
         "num_images": args.num_images,
         "num_requests": len(requests),
         "output_tokens": out_tokens,

@@ -78,9 +78,10 @@ def engine_run(job: Job) -> dict:
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "prompt_ids": [list(o.prompt_token_ids) for o in outs],
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-        "encoded_images": llm.engine.runner.num_encoded_images - 1,  # minus the warm-up's
+        "encoded_images": llm.engine.stats()["num_encoded_images_total"] - 1,  # minus the warm-up's
         **_peak_memory(job),
     }
+    llm.close()  # with multiprocess=True: stop the engine-core process
     if timers is not None:
         timers["other"] = seconds - sum(timers.values())
         result["profile"] = dict(timers)
