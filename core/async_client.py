@@ -5,14 +5,10 @@
 
 This process keeps what needs the tokenizer or talks to clients: input processing (worker
 threads), detokenization and stop strings (the reader threads), streaming. A core process only
-steps. With `data_parallel_size` N there are N cores, each with the whole model and its own
-pools; a request goes to the least loaded core, except that a request about an image one core
-holds already (its pixels, and likely its encoder output and image KV blocks) goes to that core
-unless it is busier than the least loaded by more than `affinity_slack` requests.
-
-If a core dies, its running requests fail with EngineDeadError, the other cores go on serving,
-and it is restarted (at most `max_restarts` times; `restart=False` leaves it down); while no core
-is up, new requests get 503. `/health` says why.
+steps. With `data_parallel_size` N there are N cores, each with the whole model and its own pools
+(routing: core/cores.py). If a core dies, its running requests fail with EngineDeadError, the
+others go on serving, and it is restarted (at most `max_restarts` times; `restart=False` leaves it
+down); while no core is up, new requests get 503. `/health` says why.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from mm_engine.async_frontend import AsyncFrontend
@@ -40,6 +35,7 @@ from mm_engine.async_types import (
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
 from mm_engine.core.client import CoreClient
+from mm_engine.core.cores import CoreHandle, route
 from mm_engine.core.pixels import PixelLedger
 from mm_engine.core.stats import sum_stats
 from mm_engine.engine_loop import Command, Stream, hand_out
@@ -47,23 +43,9 @@ from mm_engine.frontend import build_frontend
 from mm_engine.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.output_processor import OutputProcessor
-from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import ImageLimits
 
 logger = logging.getLogger("mm_engine.async_llm")
-
-
-@dataclass(eq=False)
-class _Core:
-    index: int
-    client: CoreClient
-    pixels: PixelLedger  # what this core holds of our images
-    requests: set[str] = field(default_factory=set)  # live requests routed here
-    stats: dict = field(default_factory=dict)
-    thread: threading.Thread | None = None
-    restarts: int = 0
-    down: bool = False  # dead, or restarting: takes no requests
-    gone: bool = False  # down for good: its reader thread has ended
 
 
 class AsyncMPLLM(AsyncFrontend):
@@ -99,7 +81,8 @@ class AsyncMPLLM(AsyncFrontend):
         clients = self._start_cores(data_parallel_size)
         self._pixel_bytes = config.ipc_pixel_cache_bytes
         self._cores = [
-            _Core(i, c, PixelLedger(self._pixel_bytes), stats=c.ready.stats) for i, c in enumerate(clients)
+            CoreHandle(i, c, PixelLedger(self._pixel_bytes), stats=c.ready.stats)
+            for i, c in enumerate(clients)
         ]
         ready = clients[0].ready
         self.affinity_slack = max(2, ready.max_num_seqs // 4) if affinity_slack is None else affinity_slack
@@ -110,7 +93,7 @@ class AsyncMPLLM(AsyncFrontend):
         )  # fmt: skip
         self._lock = threading.Lock()  # the output processor, the ledgers, the routing, the sends
         self._output = OutputProcessor(self.tokenizer)
-        self._where: dict[str, _Core] = {}  # request id -> its core
+        self._where: dict[str, CoreHandle] = {}  # request id -> its core
         self._rpcs: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._stopping = False
@@ -143,25 +126,12 @@ class AsyncMPLLM(AsyncFrontend):
 
     # ---- event-loop side ---------------------------------------------------------------------
 
-    def _route(self, spans: list[ImageSpan]) -> _Core | None:
-        """The core for a request: least loaded, or the one holding its images if not too busy."""
-        up = [c for c in self._cores if not c.down]
-        if not up:
-            return None
-        least = min(up, key=lambda c: (len(c.requests), c.index))
-        if spans:
-            near = [c for c in up if len(c.requests) <= len(least.requests) + self.affinity_slack]
-            best = max(near, key=lambda c: (c.pixels.held_bytes(spans), -len(c.requests), -c.index))
-            if best.pixels.held_bytes(spans):
-                return best
-        return least
-
     def _send(self, cmd: Command) -> None:
         stream = self._streams.get(cmd.request_id) if cmd.kind == "add" else cmd.stream
         if cmd.kind == "add":
             inputs, params, priority = cmd.args
             with self._lock:
-                core = self._route(inputs.spans)
+                core = route(self._cores, inputs.spans, self.affinity_slack)
                 if core is None:
                     self._finish(stream, EngineDeadError("the engine is not running"))
                     return
@@ -236,7 +206,7 @@ class AsyncMPLLM(AsyncFrontend):
 
     # ---- reader threads ----------------------------------------------------------------------
 
-    def _run(self, core: _Core) -> None:
+    def _run(self, core: CoreHandle) -> None:
         while True:
             msg = core.client.recv(0.25)
             if msg is None:
@@ -256,7 +226,7 @@ class AsyncMPLLM(AsyncFrontend):
         if everyone_gone and self.on_dead is not None and not self._stopping:
             self.on_dead()
 
-    def _handle(self, core: _Core, msg: m.FromCore) -> None:
+    def _handle(self, core: CoreHandle, msg: m.FromCore) -> None:
         if isinstance(msg, m.Outputs):
             core.stats = msg.stats
             self._stats = sum_stats([c.stats for c in self._cores])
@@ -302,10 +272,10 @@ class AsyncMPLLM(AsyncFrontend):
         if core is not None:
             core.requests.discard(request_id)
 
-    def _which(self, core: _Core) -> str:
+    def _which(self, core: CoreHandle) -> str:
         return f"core {core.index}: " if len(self._cores) > 1 else ""
 
-    def _core_died(self, core: _Core, reason: str) -> bool:
+    def _core_died(self, core: CoreHandle, reason: str) -> bool:
         """Fail what ran on `core`; restart it if allowed. Returns whether to go on reading."""
         with self._lock:
             core.down = True

@@ -2,8 +2,9 @@
 
 The frontend half (tokenizer, input processing, detokenization) runs in the caller's thread; the
 core runs ahead in its own process, so a step's outputs are detokenized here while the core
-computes the next one. An add waits for the core to accept or refuse it, so a bad request raises
-right away as it does in-process.
+computes the next one. Adds do not wait for the core's answer (it answers between its steps): a
+request it refuses raises from the next `step()`, and one refused because its waiting queue is
+full is kept here and sent again after a step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from mm_engine.output_processor import OutputProcessor
 from mm_engine.outputs import RequestOutput
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
-from mm_engine.sched.scheduler import QueueFullError
 
 
 class MPEngine(PromptIntake):
@@ -38,7 +38,9 @@ class MPEngine(PromptIntake):
         self.pixels = PixelLedger(config.ipc_pixel_cache_bytes)
         self._seq = itertools.count()
         self._stats: dict = self.client.ready.stats
-        self._early: list[m.FromCore] = []  # outputs that came while an add waited for its answer
+        self._early: list[m.FromCore] = []  # outputs that came while waiting for an RPC's answer
+        self._sent: dict[str, m.Add] = {}  # adds the core has not answered yet
+        self._backlog: list[m.Add] = []  # adds refused for a full queue, to send again
 
     def add_processed(
         self, text: str | None, ids: list[int], spans: list[ImageSpan], params: SamplingParams,
@@ -48,25 +50,31 @@ class MPEngine(PromptIntake):
         images, forget = self.pixels.encode(spans)
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         arrival = time.time()
-        self.client.send(m.Add(request_id, ids, images, params, eos, priority, arrival, forget))
-        while True:  # the core answers an add before it steps again
-            msg = self._recv()
-            if isinstance(msg, m.Accepted) and msg.request_id == request_id:
-                self.output.add(request_id, text, ids, params, arrival)
-                return request_id
-            if isinstance(msg, m.Reject) and msg.request_id == request_id:
-                if msg.kind == "full":
-                    raise QueueFullError(msg.message)
-                raise ValueError(msg.message) if msg.kind == "invalid" else RuntimeError(msg.message)
-            self._early.append(msg)
+        add = m.Add(request_id, ids, images, params, eos, priority, arrival, forget)
+        self.client.send(add)  # not waiting for the answer: the core answers between its steps
+        self._sent[request_id] = add
+        self.output.add(request_id, text, ids, params, arrival)
+        return request_id
 
     def abort(self, request_id: str) -> None:
         self.output.abort(request_id)
         self.client.send(m.Abort([request_id]))
 
     def step(self) -> list[RequestOutput]:
-        """The outputs of the core's next step (none for a heartbeat)."""
+        """The outputs of the core's next step (none for a heartbeat). A request the core refused
+        raises here (ValueError for the caller's mistake); one refused for a full queue is sent
+        again once a step has finished."""
         msg = self._early.pop(0) if self._early else self._recv()
+        if isinstance(msg, m.Accepted):
+            self._sent.pop(msg.request_id, None)
+            return []
+        if isinstance(msg, m.Reject):
+            add = self._sent.pop(msg.request_id, None)
+            if msg.kind == "full" and add is not None and msg.request_id in self.output:
+                self._backlog.append(add)
+                return []
+            self.output.abort(msg.request_id)
+            raise ValueError(msg.message) if msg.kind == "invalid" else RuntimeError(msg.message)
         if isinstance(msg, m.StepFailed):
             for rid in msg.request_ids:
                 self.output.abort(rid)
@@ -77,6 +85,12 @@ class MPEngine(PromptIntake):
         outputs, stopped = self.output.process(msg.outputs)
         if stopped:  # stop strings ended them: the core must not generate more
             self.client.send(m.Abort(stopped))
+        if self._backlog and msg.step_seconds:  # a step ran: the queue may have room again
+            for add in self._backlog:
+                if add.request_id in self.output:
+                    self._sent[add.request_id] = add
+                    self.client.send(add)
+            self._backlog.clear()
         return outputs
 
     def _recv(self) -> m.FromCore:
