@@ -58,10 +58,12 @@ class CoreProcess:
                 code = self.step()
                 if code:
                     return code
-            elif time.monotonic() - last_beat >= HEARTBEAT_S:
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                # Busy or not: an orphan would block on a send nobody reads once the queue fills.
                 if os.getppid() != parent:  # the frontend is gone: nobody to serve
                     return 0
-                self.send(m.Outputs([], self.core.stats(), 0.0))
+                if not self.core.has_unfinished():
+                    self.send(m.Outputs([], self.core.stats(), 0.0))
                 last_beat = time.monotonic()
         return 0
 

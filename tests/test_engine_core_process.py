@@ -192,3 +192,39 @@ def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_l
     assert len(stats["per_core"]) == 2
     assert stats["num_preemptions_total"] == sum(s["num_preemptions_total"] for s in stats["per_core"])
     assert after == expected[2]
+
+
+def test_the_core_process_exits_when_its_frontend_is_killed(clip_llama, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "frontend.py"
+    script.write_text(
+        "import sys, time\n"
+        "from mm_engine import LLM, SamplingParams\n"
+        f"llm = LLM({clip_llama!r}, multiprocess=True, kv_cache_memory_bytes=4 * 1024**2, max_num_seqs=4)\n"
+        "params = SamplingParams(max_tokens=400, ignore_eos=True)\n"
+        "for k in range(64):  # minutes of work: the core is busy when its frontend dies\n"
+        "    llm.engine.add_request('USER: what ASSISTANT:', params)\n"
+        "llm.engine.step()\n"
+        "print(llm.engine.client.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    frontend = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    core_pid = int(frontend.stdout.readline())
+    frontend.send_signal(signal.SIGKILL)  # no clean-up runs: the core must notice on its own
+    frontend.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(core_pid, 0)
+        except ProcessLookupError:
+            return  # gone (reaped by init)
+        with open(f"/proc/{core_pid}/stat") as f:
+            if f.read().split()[2] == "Z":  # exited, not yet reaped
+                return
+        time.sleep(0.1)
+    os.kill(core_pid, signal.SIGKILL)
+    raise AssertionError("the engine-core process outlived its frontend")
