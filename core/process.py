@@ -3,8 +3,9 @@
 It reads its start-up settings (engine config, addresses) as JSON on stdin, builds the EngineCore,
 says Ready, and then runs a busy loop: take every message waiting (adds, aborts, calls), run one
 step when there is work, send that step's outputs in one message. While idle it waits for
-messages and sends a heartbeat (stats) every second. A device fault ends the process (exit 3);
-so does a vanished parent (the frontend's socket closes, or our parent pid changes).
+messages and sends a heartbeat (stats) every second. A device fault ends the process (exit 3); a
+vanished frontend (our parent pid changes: checked every second, and whenever a send finds nobody
+reading) ends it quietly.
 """
 
 from __future__ import annotations
@@ -36,17 +37,35 @@ class StartUp(msgspec.Struct):
     out_addr: str  # core -> frontend (we PUSH)
 
 
+class FrontendGone(Exception):
+    """Our frontend process has exited: there is nobody to send to."""
+
+
 class CoreProcess:
     def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket) -> None:
         self.core, self.pull, self.push = core, pull, push
         self.pixels = PixelStore()
         self.running = True
+        self.parent = os.getppid()  # the frontend that started us
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.push.send(m.encode(msg), copy=False)
+        data = m.encode(msg)
+        while True:
+            try:
+                self.push.send(data, copy=False)  # times out (SNDTIMEO) when nobody reads
+                return
+            except zmq.Again:
+                if os.getppid() != self.parent:
+                    raise FrontendGone from None
 
     def serve(self) -> int:
-        parent, last_beat = os.getppid(), 0.0
+        try:
+            return self._serve()
+        except FrontendGone:  # nobody to serve
+            return 0
+
+    def _serve(self) -> int:
+        parent, last_beat = self.parent, 0.0
         while self.running:
             busy = self.core.has_unfinished()
             if self.pull.poll(0 if busy else int(HEARTBEAT_S * 1000)):
@@ -116,6 +135,7 @@ def main() -> int:
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
+    push.setsockopt(zmq.SNDTIMEO, 1000)  # a blocked send wakes up to check that the frontend lives
     pull.connect(start.in_addr)
     push.connect(start.out_addr)
     try:
