@@ -85,7 +85,7 @@ class MPEngine(PromptIntake):
         outputs, stopped = self.output.process(msg.outputs)
         if stopped:  # stop strings ended them: the core must not generate more
             self.client.send(m.Abort(stopped))
-        if self._backlog and msg.step_seconds:  # a step ran: the queue may have room again
+        if self._backlog:  # a step ran (or the core idles): its queue may have room again
             for add in self._backlog:
                 if add.request_id in self.output:
                     self._sent[add.request_id] = add
