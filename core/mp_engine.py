@@ -70,7 +70,9 @@ class MPEngine(PromptIntake):
             return []
         if isinstance(msg, m.Reject):
             add = self._sent.pop(msg.request_id, None)
-            if msg.kind == "full" and add is not None and msg.request_id in self.output:
+            if msg.request_id not in self.output:  # aborted meanwhile: nobody to tell
+                return []
+            if msg.kind == "full" and add is not None:
                 self._backlog.append(add)
                 return []
             self.output.abort(msg.request_id)

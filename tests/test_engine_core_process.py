@@ -73,8 +73,13 @@ def test_a_full_queue_and_an_abort_through_the_core_process(clip_llama):
         engine = mp.engine
         long = SamplingParams(max_tokens=200, ignore_eos=True)
         engine.add_request("USER: what ASSISTANT:", long, request_id="a")
-        engine.add_request("USER: what ASSISTANT:", long, request_id="b")
-        engine.step()
+        while not engine.step():  # until "a" runs: it has the one seat
+            pass
+        engine.add_request("USER: what ASSISTANT:", long, request_id="b")  # the one waiting place
+        engine.add_request("USER: what ASSISTANT:", long, request_id="c")  # refused: queue full
+        engine.abort("c")  # before its refusal arrives, which must then be ignored
+        for _ in range(5):
+            engine.step()
         engine.abort("a")
         engine.abort("b")
         deadline = time.monotonic() + 30
