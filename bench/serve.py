@@ -24,21 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import datetime
 import io
 import json
-import os
 import random
-import re
-import shlex
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +40,10 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.machine import machine_info
+from bench.serve_compare import compare
 from bench.serve_metrics import RequestRecord, compute_metrics, markdown_table, parse_goodput
-from bench.vlm import CHAT_QUESTIONS, images, output_lengths, resolve_model
+from bench.serve_process import running_server
+from bench.vlm import CHAT_QUESTIONS, images, output_lengths
 
 
 @dataclass(slots=True)
@@ -124,63 +119,6 @@ def png_bytes(n: int, seed: int) -> list[bytes]:
         img.save(buf, format="PNG")
         out.append(buf.getvalue())
     return out
-
-
-def _log_tail(path: str, n: int = 30) -> str:
-    return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-n:])
-
-
-def _wait_ready(proc: subprocess.Popen, log_path: str, timeout: float) -> str:
-    """The base URL once the server printed its port and `/health` answers 200."""
-    deadline, url = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mm-engine serve exited with {proc.returncode} during start-up")
-        if url is None:
-            match = re.search(r"serving .* on (http://\S+:\d+)", Path(log_path).read_text(errors="replace"))
-            url = match.group(1) if match else None
-        if url is not None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return url
-        time.sleep(0.5)
-    raise RuntimeError(f"mm-engine serve was not healthy within {timeout:g} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    # The first SIGTERM drains (running requests may finish), a second one exits at once.
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            return
-        proc.send_signal(sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(wait)
-
-
-@contextlib.contextmanager
-def running_server(args: argparse.Namespace) -> Iterator[str]:
-    """`mm-engine serve` on 127.0.0.1, its log in a temporary file (kept, and shown, if it fails)."""
-    model = resolve_model(args.model)
-    cmd = [sys.executable, "-m", "mm_engine.cli", "serve", model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--no-access-log", *shlex.split(args.server_args)]  # fmt: skip
-    print("starting:", shlex.join(cmd[2:]), flush=True)
-    with tempfile.NamedTemporaryFile("w", prefix="mm-engine-serve-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        failed = True
-        try:
-            yield _wait_ready(proc, log.name, args.startup_timeout)
-            if proc.poll() is not None:
-                raise RuntimeError(f"mm-engine serve exited with {proc.returncode} during the run")
-            failed = False
-        finally:
-            died = proc.poll() is not None
-            _stop(proc)
-            if failed:
-                print(f"server log kept at {log.name}", file=sys.stderr)
-                if died:
-                    print(_log_tail(log.name), file=sys.stderr)
-            else:
-                os.unlink(log.name)
 
 
 def _request(item: TraceItem, image: bytes, model: str) -> dict:
@@ -314,30 +252,6 @@ def run_once(args: argparse.Namespace, trace: list[TraceItem], pngs: list[bytes]
         print(f"server ready at {url}; replaying {len(trace)} requests", flush=True)
         records, duration = asyncio.run(replay(url, trace, pngs, args))
     return report(args, trace, records, duration, n_images)
-
-
-COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
-
-
-def compare(results: dict[str, list[dict]]) -> dict:
-    """Thread against process on the same trace: each figure (the mean over that mode's runs),
-    and process / thread."""
-
-    def mean(mode: str, key: str) -> float | None:
-        values = [r["metrics"]["overall"].get(key) for r in results[mode]]
-        return None if any(v is None for v in values) else sum(values) / len(values)
-
-    runs = len(results["thread"])
-    print(f"\n## engine core on a thread vs in its own process (same trace, {runs} runs each, ABBA)\n")
-    print("| metric | thread | process | process / thread |\n|---|---:|---:|---:|")
-    rows = {}
-    for key in COMPARED:
-        a, b = mean("thread", key), mean("process", key)
-        ratio = b / a if a and b is not None else None
-        rows[key] = {"thread": a, "process": b, "ratio": ratio}
-        cells = f"{a:.2f} | {b:.2f} | {ratio:.3f}" if ratio is not None else "- | - | -"
-        print(f"| {key} | {cells} |")
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
