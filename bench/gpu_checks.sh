@@ -45,6 +45,10 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/test_triton_kernels.py tests/test_bench_kernels.py tests/test_triton_engine.py
 
+# 1a. Async scheduling on CUDA (device auto: the engine on the GPU in float16): pinned copies,
+#     queued launches and the event the tokens are read behind, against the plain loop.
+TAIL=6 step async 90 $PY -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py -k "not mrope"
+
 # 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/test_qwen_vl.py tests/test_tiled_vl.py tests/test_anyres_vl.py tests/test_gemma3.py -k "triton"
@@ -56,6 +60,10 @@ TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png
 # 2b. Host time of a decode step at batch 1-256 on the GPU (in-process and the core's share).
 TAIL=12 step host_overhead 90 $PY -m bench.host_overhead --device cuda --json "$OUT/host_overhead_gpu.json"
 
+# 2c. Async scheduling on and off on the GPU (engine only, the bench model, alternating).
+TAIL=6 step async_bench 90 $PY -m bench.async_scheduling --device cuda --modes off,inline --num-images 64 \
+    --json "$OUT/async_scheduling_gpu.json"
+
 # 3. Paged attention against SDPA.
 TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
 
@@ -66,5 +74,8 @@ TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
 GPU_ARGS=(--device cuda --max-num-batched-tokens 8192 --max-num-seqs 256)
 TAIL=16 step caption 150 $PY -m bench.offline --workload caption --num-images 256 --hf-batch-size 128 \
     "${GPU_ARGS[@]}" --json "$OUT/offline_caption_gpu.json"
+# 4b. The same without async scheduling: before/after of the overlap (the default on CUDA).
+TAIL=16 step caption_sync 150 $PY -m bench.offline --workload caption --num-images 256 --hf-batch-size 128 \
+    "${GPU_ARGS[@]}" --async-scheduling off --json "$OUT/offline_caption_gpu_sync.json"
 TAIL=16 step chat 180 $PY -m bench.offline --workload chat --num-images 16 --hf-batch-size 64 \
     "${GPU_ARGS[@]}" --json "$OUT/offline_chat_gpu.json"

@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="time the engine's phases (scheduling, ...)")
     ap.add_argument("--multiprocess", action="store_true",
                     help="the engine core in a process of its own (LLM(multiprocess=True))")  # fmt: skip
+    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                    help="overlap step N+1 with step N (auto: on with CUDA; off with --profile)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
         "--model",
@@ -159,6 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
     }
+    if args.profile:  # the phases of the plain loop: with overlap they run at the same time
+        if args.async_scheduling == "on":
+            ap.error("--profile times the phases of the plain loop: not with --async-scheduling on")
+        args.async_scheduling = "off"
+    engine_args["async_scheduling"] = {"auto": None, "on": True, "off": False}[args.async_scheduling]
     if args.multiprocess:
         if args.profile:
             ap.error("--profile times the in-process engine's phases: not with --multiprocess")
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "workload": args.workload,
         "engine_core": "process" if args.multiprocess else "in-process",  # RSS: this process only
+        "async_scheduling": args.async_scheduling,
         "num_images": args.num_images,
         "num_requests": len(requests),
         "output_tokens": out_tokens,

@@ -17,6 +17,9 @@ import torch
 from mm_engine import models
 from mm_engine.admission import Admission
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from mm_engine.core.launcher import Launched, StepLauncher
+from mm_engine.core.overlap import OverlappedSteps
+from mm_engine.core.reports import core_stats, kv_report
 from mm_engine.core.types import CoreOutput, CoreRequest
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.faults import StepFailedError, is_device_fault
@@ -25,7 +28,7 @@ from mm_engine.model_runner import ModelRunner
 from mm_engine.platform import make_platform
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
-from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, split_blocks
+from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, kv_memory_bytes, split_blocks
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request
 from mm_engine.sampler import Sampler
@@ -34,7 +37,7 @@ from mm_engine.sched.scheduler import ScheduledBatch, Scheduler
 from mm_engine.vision.encoder_cache import EncoderCache
 
 
-class EngineCore:
+class EngineCore(OverlappedSteps):
     def __init__(self, config: EngineConfig, max_image_tokens: int) -> None:
         """`max_image_tokens`: the per-image token cap (the frontend resolves its default, which
         depends on the family's processing)."""
@@ -65,7 +68,10 @@ class EngineCore:
         spec = KVCacheSpec(
             len(lm.layers), text_cfg.num_key_value_heads, lm.head_dim, config.block_size, config.torch_dtype()
         )
-        num_blocks = self._kv_bytes() // spec.bytes_per_block
+        kv_bytes = kv_memory_bytes(
+            config.kv_cache_memory_bytes, self.device, config.gpu_memory_utilization, CPU_DEFAULT_KV_BYTES
+        )
+        num_blocks = kv_bytes // spec.bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
         n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
@@ -113,6 +119,19 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.device_lost = False  # set by a step that failed with a device fault
+        self.launcher = self._make_launcher(config)
+        self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
+        self._carry: list[CoreOutput] = []  # outputs read before a step failed: the next step's
+
+    def _make_launcher(self, config: EngineConfig) -> StepLauncher | None:
+        cuda = self.device.type == "cuda"
+        on = config.async_scheduling
+        if on is None:
+            on = cuda  # on a CPU it does not pay (README: async scheduling)
+        if not on:
+            return None
+        mode = config.async_launch if config.async_launch != "auto" else ("inline" if cuda else "thread")
+        return StepLauncher(self.runner, self.sampler, self.device, mode)
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -163,24 +182,34 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Run one scheduled forward pass; return the new tokens of each request that sampled.
+        With async scheduling the tokens returned are those of the step before, and this step's
+        forward is still running when it returns (core/launcher.py).
 
         Raises StepFailedError when the pass fails: the requests it held are dropped (their
         blocks freed), every other request stays as it was."""
         if self.device_lost:
             raise RuntimeError("the device failed earlier; this engine cannot run any more")
-        batch = self.scheduler.schedule(time.time())
-        for req in batch.preempted:  # recomputed from the start: its image features go too
-            self.runner.release(req.request_id)
+        if self.launcher is not None:
+            return self._step_overlapped()
+        batch = self._schedule()
         if not batch.items:
             return []
         try:
             return self._run(batch)
         except Exception as exc:
-            self.device_lost = is_device_fault(exc)
-            failed = [req.request_id for req, _ in batch.items]
-            for rid in failed:
-                self.abort(rid)
-            raise StepFailedError(failed, self.device_lost) from exc
+            raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
+
+    def _schedule(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule(time.time())
+        for req in batch.preempted:  # recomputed from the start: its image features go too
+            self.runner.release(req.request_id)
+        return batch
+
+    def _failed(self, exc: Exception, request_ids: list[str]) -> StepFailedError:
+        self.device_lost = is_device_fault(exc)
+        for rid in request_ids:
+            self.abort(rid)
+        return StepFailedError(request_ids, self.device_lost)
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
         logits, sampling = self.runner.execute(batch.items)
@@ -194,12 +223,17 @@ class EngineCore:
             [batch.items[k][0].params for k in sampling],
             [batch.items[k][0].generator for k in sampling],
         )
+        return self._record(batch.items, sampling, new_tokens)
+
+    def _record(
+        self, items: list[tuple[Request, int]], sampling: list[int], tokens: list[int]
+    ) -> list[CoreOutput]:
         now = time.time()
         outputs = []
-        for k, token in zip(sampling, new_tokens, strict=True):
-            req = batch.items[k][0]
+        for k, token in zip(sampling, tokens, strict=True):
+            req = items[k][0]
             outputs.append(self._append(req, token, now))
-            if req.is_finished:
+            if req.finish_reason is not None:
                 del self.requests[req.request_id]
         return outputs
 
@@ -231,51 +265,20 @@ class EngineCore:
     # ---- state -------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        # A launched step whose requests have all ended or been aborted has nothing to hand out:
+        # the next step reads it (or `close` waits for it).
+        return self.scheduler.has_work() or bool(self.requests) or bool(self._carry)
 
     def kv_report(self) -> dict[str, dict]:
-        """Per pool: blocks (total, used, free, cached), slots (allocated, filled), internal waste,
-        prefix-cache queries/hits/misses, evictions, preemptions; plus swap and encoder-cache counts."""
-        report = self.blocks.report([*self.scheduler.running, *self.scheduler.waiting])
-        for name in (TEXT, IMAGE):
-            report[name]["preemptions"] = self.scheduler.preemptions_by_pool[name]
-        report["swap"] = {
-            "swapped_out_blocks": self.swap.swapped_out_blocks if self.swap else 0,
-            "swapped_in_blocks": self.swap.swapped_in_blocks if self.swap else 0,
-            "host_bytes_used": self.swap.used_bytes if self.swap else 0,
-        }
-        report["encoder_cache"] = {
-            "entries": len(self.encoder_cache),
-            "bytes_used": self.encoder_cache.used_bytes,
-            "hits": self.encoder_cache.hits,
-            "misses": self.encoder_cache.misses,
-            "evictions": self.encoder_cache.evictions,
-        }
-        return report
+        return kv_report(self)
 
     def stats(self) -> dict:
-        """Counters and gauges for metrics: plain numbers, cheap to read every scrape."""
-        usage = {
-            name: (pool.num_used / pool.num_blocks if pool.num_blocks else 0.0)
-            for name, pool in self.blocks.pools.items()
-        }
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage_perc": usage,
-            "num_preemptions_total": self.scheduler.num_preemptions,
-            "num_encoded_images_total": self.runner.num_encoded_images,
-            "prefix_cache_queries_total": {n: p.queries for n, p in self.blocks.pools.items()},
-            "prefix_cache_hits_total": {n: p.hits for n, p in self.blocks.pools.items()},
-            "encoder_cache_hits_total": self.encoder_cache.hits,
-        }
+        return core_stats(self)
 
-    def _kv_bytes(self) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BYTES
-        free, total = torch.cuda.mem_get_info(self.device)
-        # What the fraction allows minus what is already taken (weights, other processes), with a
-        # margin for activations of one step.
-        return max(0, int(total * self.config.gpu_memory_utilization) - (total - free) - 512 * 1024**2)
+    def close(self) -> None:
+        """Wait for a launched step and stop the launcher's worker (if it has one)."""
+        if self._inflight is not None:
+            self._inflight.wait()
+            self._inflight = None
+        if self.launcher is not None:
+            self.launcher.close()

@@ -151,6 +151,7 @@ def main() -> int:
     try:
         return CoreProcess(core, pull, push).serve()
     finally:
+        core.close()
         pull.close(0)
         push.close()
         ctx.term()

@@ -55,6 +55,10 @@ class EngineConfig:
     mm_processor_kwargs: dict | None = None  # processor options, e.g. {"max_pixels": 1003520} (Qwen)
     kv_watermark: float = 0.01  # fraction of each pool kept free when admitting new requests
     max_waiting_requests: int = 10_000
+    # Overlapped scheduling: step N+1 is scheduled and prepared while step N computes, and step N's
+    # tokens are handed back meanwhile (core/launcher.py). None: on where it is measured to pay.
+    async_scheduling: bool | None = None
+    async_launch: str = "auto"  # "inline" (queued on the CUDA stream) or "thread"; auto: by device
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +73,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.async_launch not in ("auto", "inline", "thread"):
+            raise ValueError(f"async_launch must be 'auto', 'inline' or 'thread', got {self.async_launch!r}")
         if not 0.0 <= self.kv_watermark < 0.5:
             raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:

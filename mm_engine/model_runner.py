@@ -6,20 +6,28 @@ one call (of any sizes: the family's `encode` packs them), and their features re
 embeddings of the run positions that carry them; DeepStack features ride along to the first
 layers. Logits are computed only for the requests whose chunk reaches their last token, i.e. the
 ones that sample this step.
+
+With overlapped scheduling a decode's input may be a token that the previous step sampled and that
+is still on the device (`PLACEHOLDER` in the request's ids): `prepare` notes where it goes, and
+`forward` copies it from the previous step's sampled tokens, in launch order, before embedding.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from mm_engine.host_copy import to_device
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.models.interface import MultimodalModel
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.request import ImageSpan, Request
 from mm_engine.vision.encoder_cache import EncoderCache
+
+PLACEHOLDER = -1  # a sampled token not read back to the host yet (overlapped scheduling)
 
 
 @dataclass(slots=True)
@@ -33,6 +41,9 @@ class StepInputs:
     embed_feats: torch.Tensor | None  # [rows, 1 + deepstack, hidden]
     sample_rows: list[int]  # flat rows whose logits are sampled
     sampling: list[int]  # the batch items they belong to
+    # Flat rows whose id is the previous step's sampled token, and that token's index among the
+    # previous step's samples; None when no input is pending.
+    from_prev: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -61,9 +72,10 @@ class ModelRunner:
         return self.forward(self.prepare(items))
 
     @torch.inference_mode()
-    def prepare(self, items: list[tuple[Request, int]]) -> StepInputs:
+    def prepare(self, items: list[tuple[Request, int]], pending: dict[str, int] | None = None) -> StepInputs:
         """Everything a forward needs, as tensors on the device: the host's share of a step
-        (images a chunk reaches are encoded here too)."""
+        (images a chunk reaches are encoded here too). `pending`: request id -> index among the
+        previous step's samples, for the requests whose last token is still a `PLACEHOLDER`."""
         self._encode_images(items)
         bs = self.block_size
         ids: list[int] = []
@@ -76,6 +88,8 @@ class ModelRunner:
         sampling: list[int] = []
         mrope = self.model.uses_mrope
         flat_positions: list[int] = []  # 1-D rotary positions, built as one list (cheaper per row)
+        prev_rows: list[int] = []
+        prev_src: list[int] = []
         for k, (req, n) in enumerate(items):
             start, end, row0 = req.num_computed_tokens, req.num_computed_tokens + n, len(ids)
             table = req.block_table
@@ -85,6 +99,9 @@ class ModelRunner:
             else:
                 ids.extend(req.token_ids[start:end])
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if ids[-1] == PLACEHOLDER:  # only ever a request's last token
+                prev_rows.append(len(ids) - 1)
+                prev_src.append(pending[req.request_id])
             if mrope:
                 positions.append(self._positions(req, start, end))
             elif n == 1:
@@ -114,23 +131,40 @@ class ModelRunner:
         meta = self._metadata(items, slots)
         if bidirectional:
             meta.bidirectional = self._ranges(len(ids), bidirectional)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        dev = self.device
+        ids_t = to_device(ids, torch.long, dev)
         rows = feats = None
         if embed_rows:
-            rows = torch.cat(embed_rows).to(self.device)
+            rows = to_device(torch.cat(embed_rows), None, dev)
             feats = torch.cat(embed_feats)
             # Image-token ids may lie outside the vocabulary; their embeddings are replaced anyway.
             # (Only prompt positions: a generated image-token id is embedded like any other token.)
             ids_t[rows] = 0
-        pos_t = (torch.cat(positions, dim=-1) if mrope else torch.tensor(flat_positions)).to(self.device)
+        pos_t = (
+            to_device(torch.cat(positions, dim=-1), None, dev)
+            if mrope
+            else to_device(flat_positions, torch.long, dev)
+        )
+        from_prev = None
+        if prev_rows:
+            from_prev = (to_device(prev_rows, torch.long, dev), to_device(prev_src, torch.long, dev))
         self._drop_used_images(items)  # what this step needs is in `feats` now
-        return StepInputs(ids_t, pos_t, meta, rows, feats, sample_rows, sampling)
+        return StepInputs(ids_t, pos_t, meta, rows, feats, sample_rows, sampling, from_prev)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, list[int]]:
-        """One forward over prepared inputs: logits of the rows that sample, and which items."""
+    def forward(
+        self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One forward over prepared inputs: logits of the rows that sample, and which items.
+        `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
         lm = self.model.language_model
-        embeds = lm.embed_tokens(inputs.ids)
+        ids = inputs.ids
+        if inputs.from_prev is not None:
+            if prev_tokens is None:
+                raise ValueError("these inputs take the previous step's tokens; pass prev_tokens")
+            rows, src = inputs.from_prev
+            ids = ids.index_put((rows,), prev_tokens[src])
+        embeds = lm.embed_tokens(ids)
         deepstack = None
         if inputs.embed_rows is not None:
             embeds[inputs.embed_rows] = inputs.embed_feats[:, 0].to(embeds.dtype)
@@ -149,7 +183,7 @@ class ModelRunner:
         lo, hi = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
         for rows, a, b in pieces:
             lo[rows], hi[rows] = a, b
-        return lo.to(self.device), hi.to(self.device)
+        return to_device(lo, None, self.device), to_device(hi, None, self.device)
 
     def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
         """Rotary positions of tokens `[start, end)`: `[n]`, or `[3, n]` for an M-RoPE model, whose
@@ -171,12 +205,10 @@ class ModelRunner:
         tables = [req.block_table + [0] * (width - len(req.block_table)) for req, _ in items]
         dev = self.device
         return AttentionMetadata(
-            query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32, device=dev).cumsum(
-                0, dtype=torch.int32
-            ),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=to_device([0, *itertools.accumulate(q_lens)], torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(tables, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.long, dev),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=q_lens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mm_engine.host_copy import to_device
 from mm_engine.sampling_params import SamplingParams
 
 GREEDY_BELOW = 1e-5
@@ -27,6 +28,16 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> list[int]:
+        return self.sample_tensor(logits, params, generators).tolist()
+
+    @torch.inference_mode()
+    def sample_tensor(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """The sampled ids as a tensor `[batch]` on the logits' device, without waiting for them."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError("sample() needs logits [batch, vocab] and one params and generator per row")
         logits = logits.float()
@@ -34,17 +45,17 @@ class Sampler:
         # A temperature this small only overflows the division; it means greedy (as in vLLM).
         greedy = [p.temperature < GREEDY_BELOW for p in params]
         if all(greedy):
-            return greedy_ids.tolist()
+            return greedy_ids
 
         device = logits.device
-        temps = torch.tensor(
-            [p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params], device=device
+        temps = to_device(
+            [p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params], None, device
         )
         probs = self._filtered_probs(logits / temps.unsqueeze(1), params)
         noise = self._exponential_noise(probs.shape, generators, device, self.generator)
         sampled_ids = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor(greedy, device=device)
-        return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
+        is_greedy = to_device(greedy, torch.bool, device)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -60,13 +71,13 @@ class Sampler:
         device = logits.device
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=device).expand(batch, vocab)
-        cut = rank >= torch.tensor(ks, device=device).unsqueeze(1)
+        cut = rank >= to_device(ks, torch.long, device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Keep a token while the mass strictly before it is below top_p: the smallest set that
         # reaches top_p, and always the top token (mass before it is 0).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        cut |= mass_before >= torch.tensor(ps, device=device).unsqueeze(1)
+        cut |= mass_before >= to_device(ps, torch.float32, device).unsqueeze(1)
         cut[:, 0] = False  # a top_p that underflows float32 to 0 must still keep the best token
         removed = torch.zeros_like(cut).scatter_(1, order, cut)
         return torch.softmax(logits.masked_fill(removed, float("-inf")), dim=-1)
@@ -81,11 +92,13 @@ class Sampler:
         if unseeded:
             where = default.device if default is not None else device
             drawn = torch.empty((len(unseeded), shape[1]), device=where).exponential_(generator=default)
-            noise[unseeded] = drawn.to(device)
+            noise[to_device(unseeded, torch.long, device)] = (
+                to_device(drawn, None, device) if drawn.device != device else drawn
+            )
         for i, g in enumerate(generators):
             if g is not None:
                 # Draw on the generator's own device so its stream does not depend on where logits live.
                 row = torch.empty(shape[1], device=g.device).exponential_(generator=g)
-                noise[i] = row.to(device)
+                noise[i] = to_device(row, None, device) if row.device != device else row
         # Exp(1) can round to 0; 0/0 would be NaN, which argmax would pick over everything.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

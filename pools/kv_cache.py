@@ -30,6 +30,20 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
+def kv_memory_bytes(
+    configured: int | None, device: torch.device, utilization: float, cpu_default: int
+) -> int:
+    """Bytes the KV cache may take: as configured, else a fixed default on a CPU, else what the
+    GPU fraction allows minus what is already taken (weights, other processes), with a margin
+    for the activations of one step."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return cpu_default
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total * utilization) - (total - free) - 512 * 1024**2)
+
+
 def split_blocks(total_blocks: int, image_pool_fraction: float) -> tuple[int, int]:
     """Return (text_blocks, image_blocks); each pool gets at least one block when fraction allows."""
     if not 0.0 <= image_pool_fraction < 1.0:

@@ -61,6 +61,19 @@ def test_the_core_process_gives_the_in_process_tokens(clip_llama):
         mp.close()
 
 
+def test_the_core_process_with_async_scheduling_gives_the_same_tokens(clip_llama):
+    expected = LLM(clip_llama, **TIGHT).generate(PROMPTS, PARAMS)
+    mp = LLM(clip_llama, multiprocess=True, async_scheduling=True, async_launch="thread", **TIGHT)
+    try:
+        got = mp.generate(PROMPTS, PARAMS)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+        report = mp.kv_report()
+        assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
+    finally:
+        mp.close()
+
+
 def test_a_full_queue_and_an_abort_through_the_core_process(clip_llama):
     kw = dict(max_waiting_requests=1, kv_cache_memory_bytes=4 * 1024**2, max_num_seqs=1)
     params = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -1,0 +1,94 @@
+"""Async scheduling: the engine core's step while the forward runs behind the host.
+
+    step N+1:  schedule -> prepare, launch (the forward starts) -> read step N's tokens -> settle N+1
+
+The scheduler sees each request of step N as if its token were there (a `PLACEHOLDER` counts), so
+the batches are those of the plain loop, except that a request ending on an EOS token is found
+out one step late: it takes a seat in one more batch, whose token is dropped. Requests that end by
+length are known in advance and leave on time. KV blocks freed meanwhile (by an abort, a finish, a
+preemption) are written by the forward still in flight only where nobody reads them, and reused
+only by later forwards, which run after it (on the CUDA stream, or on the launcher's one worker).
+"""
+
+from __future__ import annotations
+
+from mm_engine.core.launcher import Launched
+from mm_engine.core.types import CoreOutput
+from mm_engine.model_runner import PLACEHOLDER
+from mm_engine.sched.scheduler import ScheduledBatch
+
+
+class OverlappedSteps:
+    """EngineCore's overlapped step (the launcher, the scheduler, the runner are the core's)."""
+
+    def _step_overlapped(self) -> list[CoreOutput]:
+        """One overlapped step; returns the outputs of the step before. A step that fails is
+        found out where its tokens are read: with it fails the step launched on its tokens."""
+        prev, self._inflight = self._inflight, None
+        outputs, self._carry = self._carry, []
+        if prev is not None and self.launcher.concurrent and self.swap is not None:
+            prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
+        batch = self._schedule()
+        launched, launch_error = None, None
+        if batch.items:
+            try:
+                launched = self._launch(batch, prev)
+            except Exception as exc:
+                launch_error = exc
+        failed = batch.items
+        if prev is not None:
+            try:
+                outputs += self._collect(prev)
+            except Exception as exc:
+                if launched is not None:
+                    launched.wait()
+                failed, launch_error = [*prev.items, *batch.items], exc
+        if launch_error is not None:
+            ids = list(dict.fromkeys(req.request_id for req, _ in failed))
+            self._carry = [o for o in outputs if o.request_id not in ids]  # handed out next step
+            raise self._failed(launch_error, ids) from launch_error
+        self._inflight = launched
+        if launched is not None:
+            self._settle(launched)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, prev: Launched | None) -> Launched:
+        pending = (
+            {} if prev is None else {prev.items[k][0].request_id: i for i, k in enumerate(prev.sampling)}
+        )
+        inputs = self.runner.prepare(batch.items, pending)
+        sampling = [batch.items[k][0] for k in inputs.sampling]
+        params, gens = [r.params for r in sampling], [r.generator for r in sampling]
+        return self.launcher.launch(batch.items, inputs, params, gens, prev)
+
+    def _collect(self, step: Launched) -> list[CoreOutput]:
+        """The tokens a launched step sampled, in place of its requests' placeholders."""
+        tokens = step.token_ids()
+        live = []
+        for k, token in zip(step.sampling, tokens, strict=True):
+            req = step.items[k][0]
+            if self.requests.get(req.request_id) is req:  # else aborted meanwhile, or a stale row
+                req.token_ids.pop()  # its PLACEHOLDER, always the last
+                live.append((req, token))
+        return self._record([(r, 1) for r, _ in live], list(range(len(live))), [t for _, t in live])
+
+    def _settle(self, step: Launched) -> None:
+        """Once a launched step's inputs are all known: advance its requests, register their full
+        blocks, and hold a placeholder for each token it samples. A request whose sample will be
+        its last by length leaves the scheduler now; its output comes with that token."""
+        for req, n in step.items:
+            if req.is_finished:  # ended on the previous step's token: this row is stale
+                continue
+            req.num_computed_tokens += n
+            self.blocks.commit(req)
+        for k in step.sampling:
+            req = step.items[k][0]
+            if req.is_finished:
+                continue
+            req.token_ids.append(PLACEHOLDER)
+            if (
+                req.num_tokens - req.num_prompt_tokens >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len
+            ):
+                self.scheduler.finish(req)
+                self.runner.release(req.request_id)
