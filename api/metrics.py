@@ -2,13 +2,18 @@
 
 Gauges and engine counters are read from the engine's latest `stats()` at scrape time; request
 timings are observed by the engine thread as outputs come out (prometheus-client is thread-safe).
-Each app has its own registry, so several apps can live in one process (tests).
+Each app has its own registry, so several apps can live in one process (tests). With several API
+servers (`--api-server-count`) the request metrics add up over them (prometheus-client's
+multiprocess mode).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from mm_engine.async_llm import AsyncLLM
@@ -86,7 +91,12 @@ class Metrics:
     """The app's registry; also the engine's `StatsListener`."""
 
     def __init__(self, llm: AsyncLLM) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        # One of several API servers (PROMETHEUS_MULTIPROC_DIR, set by api/supervisor.py): the
+        # request metrics go to files that every server's scrape adds up; the engine's own come
+        # from the cores, whose stats reach every server alike.
+        multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        r = None if multiprocess else self.registry
         self.max_num_seqs = llm.model_info.max_num_seqs
         by = ["modality"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", by,
@@ -105,7 +115,9 @@ class Metrics:
                               buckets=_STEP, registry=r)  # fmt: skip
         self.fill = Histogram(P + "batch_fill_ratio", "Running requests over max_num_seqs, per step.",
                               buckets=_FILL, registry=r)  # fmt: skip
-        r.register(_EngineCollector(llm))
+        if multiprocess:
+            MultiProcessCollector(self.registry)
+        self.registry.register(_EngineCollector(llm))
         # Every series exists from the start (at 0), so rates and dashboards work before traffic.
         for reason in ("stop", "length", "abort"):
             self.success.labels(reason)

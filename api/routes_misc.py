@@ -59,6 +59,7 @@ async def health(request: Request) -> Response[HealthResponse]:
         last_error=h.last_error,
         num_unfinished_requests=h.num_unfinished,
         platform=PlatformInfo(**ctx.llm.platform_info()),
+        api_server=ctx.settings.api_server_index,
     )
     if h.ok:
         return Response(body, status_code=200)

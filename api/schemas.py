@@ -76,6 +76,7 @@ class HealthResponse(Struct):
     last_error: str | None
     num_unfinished_requests: int
     platform: PlatformInfo
+    api_server: int = 0  # which API server answered (--api-server-count)
 
 
 class CaptionForm(Struct):

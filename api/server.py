@@ -67,6 +67,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine-core processes, each with the whole model; requests go to the least "
                    "loaded, or to the one that holds their image (--engine-core process)")  # fmt: skip
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="API-server processes on the one port, sharing the engine cores: each parses, "
+                   "decodes images, tokenizes, detokenizes and streams for its connections "
+                   "(--engine-core process)")  # fmt: skip
     g.add_argument("--input-workers", type=int, default=_D.input_workers,
                    help="threads that tokenize and decode images")  # fmt: skip
     g.add_argument("--light-input-bytes", type=int, default=_D.light_input_bytes,
@@ -116,13 +120,41 @@ def _model_name(model: str | None) -> str:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    settings_name = (args.served_model_name or [_model_name(args.model)])[0]
+    banner = f"mm-engine: serving {settings_name!r}"
+    if args.api_server_count > 1:
+        from mm_engine.api.supervisor import run_api_servers
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+        return run_api_servers(args, banner)
+    llm, settings, exit_ = make_llm_and_settings(args)
+    from mm_engine.api.supervisor import listen
+
+    sock = listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"{banner} on http://{host}:{port}", flush=True)
+    return serve_on(args, settings, llm, exit_, sock)
+
+
+class _Exit:
+    """The server's exit code, and the server to stop when the engine is dead for good."""
+
+    code = 0
+    server = None
+
+    def dead(self) -> None:  # with --no-engine-core-restart, the server exits with code 1
+        self.code = 1
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, index: int = 0):
+    """The engine client the app serves and the app's settings, from the serve flags. `attach`:
+    the socket pair with each core, for one of several API servers (`index` among them)."""
     # Imported here, not at the top: `mm-engine generate` and friends import this module for the
     # parser alone and need none of the web stack.
-    import uvicorn
-
-    from mm_engine.api.app import create_app
-    from mm_engine.api.draining_server import DrainingServer
-    from mm_engine.api.timeouts import timed_h11_protocol
     from mm_engine.async_llm import AsyncLLM
     from mm_engine.cli import engine_kwargs
     from mm_engine.config import EngineConfig
@@ -130,6 +162,7 @@ def run_server(args: argparse.Namespace) -> int:
     from mm_engine.engine import LLMEngine
 
     settings = settings_from_args(args, _model_name(args.model))
+    settings.api_server_index = index
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     common = dict(
@@ -138,29 +171,33 @@ def run_server(args: argparse.Namespace) -> int:
         light_input_bytes=settings.light_input_bytes,
         stall_timeout=settings.health_stall_timeout,
     )
-    exit_code = [0]
-    server: DrainingServer | None = None
+    exit_ = _Exit()
     if args.engine_core == "process":
-
-        def on_dead() -> None:  # the core died for good: with --no-engine-core-restart, so do we
-            exit_code[0] = 1
-            if server is not None:
-                server.should_exit = True
-
-        restart = dict(restart=args.engine_core_restart, max_restarts=args.max_core_restarts, on_dead=on_dead)
-        llm = AsyncMPLLM(config, **common, **restart, data_parallel_size=args.data_parallel_size)
+        restart = dict(
+            restart=args.engine_core_restart, max_restarts=args.max_core_restarts, on_dead=exit_.dead
+        )
+        llm = AsyncMPLLM(
+            config, **common, **restart, data_parallel_size=args.data_parallel_size, attach=attach,
+            frontend_index=index,
+        )  # fmt: skip
     elif args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size needs --engine-core process")
     else:
         llm = AsyncLLM(LLMEngine(config), **common)
+    return llm, settings, exit_
+
+
+def serve_on(
+    args: argparse.Namespace, settings: ServerSettings, llm, exit_: _Exit, sock: socket.socket, on_start=None
+) -> int:
+    """Serve the app on a listening socket until shut down; the exit code."""
+    import uvicorn
+
+    from mm_engine.api.app import create_app
+    from mm_engine.api.draining_server import DrainingServer
+    from mm_engine.api.timeouts import timed_h11_protocol
+
     app = create_app(llm, settings)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)
-    host, port = sock.getsockname()[:2]
-    print(f"mm-engine: serving {settings.served_model_names[0]!r} on http://{host}:{port}", flush=True)
     uv_config = uvicorn.Config(
         app,
         http=timed_h11_protocol(settings.header_timeout, settings.body_timeout),
@@ -170,12 +207,15 @@ def run_server(args: argparse.Namespace) -> int:
         lifespan="on",
     )
     server = DrainingServer(uv_config, llm, settings.shutdown_timeout)
+    exit_.server = server
+    if on_start is not None:
+        on_start(server)
     try:
         server.run(sockets=[sock])
     finally:
         asyncio.run(llm.shutdown())
         sock.close()
-    return exit_code[0]
+    return exit_.code
 
 
 def build_parser() -> argparse.ArgumentParser:

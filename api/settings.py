@@ -35,6 +35,7 @@ class ServerSettings:
     retry_after_seconds: int = 1  # Retry-After on 429 (queue full) and 503 (draining)
     input_workers: int = 2  # threads that tokenize and decode images
     light_input_bytes: int = LIGHT_INPUT_BYTES  # inputs this small have workers of their own
+    api_server_index: int = 0  # which of the API servers this is (--api-server-count)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -9,6 +9,10 @@ steps. With `data_parallel_size` N there are N cores, each with the whole model 
 (routing: core/cores.py). If a core dies, its running requests fail with EngineDeadError, the
 others go on serving, and it is restarted (at most `max_restarts` times; `restart=False` leaves it
 down); while no core is up, new requests get 503. `/health` says why.
+
+With `attach` (one of several API servers, api/supervisor.py) the cores are someone else's: this
+frontend talks to each over a socket pair of its own, tags what it sends with `frontend_index`,
+never stops them, and after a core dies waits for the supervisor's new one to say Ready.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from mm_engine.async_types import (
 )
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
-from mm_engine.core.client import CoreClient
+from mm_engine.core.client import AttachedCore, CoreClient
 from mm_engine.core.cores import CoreHandle, route
 from mm_engine.core.pixels import PixelLedger
 from mm_engine.core.stats import sum_stats
@@ -63,10 +67,14 @@ class AsyncMPLLM(AsyncFrontend):
         restart: bool = True,
         max_restarts: int = 3,
         on_dead: Callable[[], None] | None = None,
+        attach: list[tuple[str, str]] | None = None,
+        frontend_index: int = 0,
     ) -> None:
         """`on_dead`: called (on a reader thread) once every core is down for good.
         `affinity_slack`: how much busier than the least loaded core an image's core may be and
         still get it (default: a quarter of max_num_seqs, at least 2)."""
+        if attach is not None:
+            data_parallel_size = len(attach)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         path = resolve_model_path(config.model)
@@ -78,7 +86,8 @@ class AsyncMPLLM(AsyncFrontend):
         self.eos_token_ids = frontend.eos_token_ids
         self.tokenizer = frontend.tokenizer  # the reader threads' (they take turns under `_lock`)
         self.restart, self.max_restarts, self.on_dead = restart, max_restarts, on_dead
-        clients = self._start_cores(data_parallel_size)
+        self._attached, self.frontend_index = attach is not None, frontend_index
+        clients = [AttachedCore(*p) for p in attach] if attach else self._start_cores(data_parallel_size)
         self._pixel_bytes = config.ipc_pixel_cache_bytes
         self._cores = [
             CoreHandle(i, c, PixelLedger(self._pixel_bytes), stats=c.ready.stats)
@@ -141,7 +150,8 @@ class AsyncMPLLM(AsyncFrontend):
                 self._output.add(cmd.request_id, inputs.text, inputs.token_ids, params, arrival)
                 core.requests.add(cmd.request_id)
                 self._where[cmd.request_id] = core
-                add = m.Add(cmd.request_id, inputs.token_ids, images, params, eos, priority, arrival, forget)
+                add = m.Add(cmd.request_id, inputs.token_ids, images, params, eos, priority, arrival, forget,
+                            self.frontend_index)  # fmt: skip
                 core.client.send(add)
             stream.in_engine = True
         elif cmd.kind == "abort":
@@ -160,7 +170,7 @@ class AsyncMPLLM(AsyncFrontend):
             with self._lock:
                 self._stopping = True
                 for core in self._cores:
-                    if core.client.alive:
+                    if core.client.alive and not self._attached:  # attached cores are not ours to stop
                         core.client.send(m.Shutdown())
 
     async def kv_report(self) -> dict[str, dict]:
@@ -175,7 +185,7 @@ class AsyncMPLLM(AsyncFrontend):
                     continue
                 call_id = next(self._call_ids)
                 futures.append(self._rpcs.setdefault(call_id, concurrent.futures.Future()))
-                core.client.send(m.Rpc(call_id, "kv_report"))
+                core.client.send(m.Rpc(call_id, "kv_report", self.frontend_index))
         if not futures:
             raise EngineDeadError("the engine is not running")
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
@@ -210,9 +220,9 @@ class AsyncMPLLM(AsyncFrontend):
         while True:
             msg = core.client.recv(0.25)
             if msg is None:
-                if core.client.alive:
+                if core.client.alive and not (self._stopping and self._attached):
                     continue
-                msg = m.Dead(f"the engine core process exited (code {core.client.proc.returncode})")
+                msg = m.Dead(core.client.exit_message())
             self._heartbeat = time.monotonic()
             if isinstance(msg, m.Dead):
                 if not self._core_died(core, msg.reason):
@@ -298,13 +308,16 @@ class AsyncMPLLM(AsyncFrontend):
         self._faults += 1
         self._last_error = self._which(core) + reason
         logger.error("engine core %d died: %s", core.index, reason)
-        if not self.restart or core.restarts >= self.max_restarts:
+        # An attached core is its supervisor's to restart (or to give up on: then it stops us).
+        if not self._attached and (not self.restart or core.restarts >= self.max_restarts):
             return False
         core.restarts += 1
         with self._lock:
-            core.client.close(timeout=2.0)
+            old = core.client
+            if not self._attached:  # an attached link stays: the new core connects to it
+                old.close(timeout=2.0)
         try:
-            client = CoreClient(self._core_config, self._max_image_tokens)
+            client = old.restarted()
         except Exception as exc:
             self._last_error = self._which(core) + f"{reason}; restarting it failed ({type(exc).__name__})"
             return False

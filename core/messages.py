@@ -5,7 +5,9 @@ frontend -> core: Add, Abort, Rpc, Shutdown     core -> frontend: Ready, Outputs
                                                                   StepFailed, RpcReply, Dead
 Image pixels cross once per content hash: the frontend keeps the list of hashes whose pixels the
 core holds for it (core/pixels.py) and sends only the hash for those, and it alone decides when
-the core may drop them (`Add.forget`), so the two never disagree.
+the core may drop them (`Add.forget`), so the two never disagree. With several API servers
+(`--api-server-count`) each has its own socket pair with the core, and the core keeps each one's
+pixels apart.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Add(msgspec.Struct, tag=True):
     priority: int
     arrival_time: float
     forget: list[str] = []  # hashes whose pixels the core may drop (once no request needs them)
+    frontend: int = 0  # which API server sent it (--api-server-count): its outputs go back there
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -63,6 +66,7 @@ class Abort(msgspec.Struct, tag=True):
 class Rpc(msgspec.Struct, tag=True):
     call_id: int
     method: str  # "kv_report" or "stats"
+    frontend: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):
