@@ -6,7 +6,8 @@ from mm_engine.api.errors import APIError
 from mm_engine.api.settings import ServerSettings
 from mm_engine.sampling_params import SamplingParams
 
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "frequency_penalty",
+           "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")  # fmt: skip
 # Below this a temperature only overflows the logits; it means greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
 
@@ -48,6 +49,26 @@ def sampling_params(**kwargs) -> SamplingParams:
         message = str(exc)
         param = next((p for p in _PARAMS if message.startswith(p)), None)
         raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) with integer keys; a 400 otherwise."""
+    if not raw:
+        return None
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except ValueError:
+        message = "logit_bias keys must be token ids"
+        raise APIError(400, message, param="logit_bias", code="invalid_value") from None
+
+
+def set_min_tokens(params: SamplingParams, min_tokens: int) -> None:
+    """`min_tokens`, checked against max_tokens once that is known."""
+    params.min_tokens = min_tokens
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
 
 
 def fit_max_tokens(

@@ -48,20 +48,22 @@ class ChatCompletionRequest(Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted at their neutral values only, so a client that sends them explicitly still works.
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     logprobs: bool = False
     # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
     tools: Any = UNSET
     tool_choice: Any = UNSET
     response_format: Any = UNSET
-    logit_bias: Any = UNSET
     top_logprobs: Any = UNSET
     # Extras (vLLM names): send them with the openai client's `extra_body`.
     priority: Priority = 0
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
     ignore_eos: bool = False
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class AssistantMessage(Struct):

@@ -14,7 +14,14 @@ from msgspec import UNSET
 
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import check_image_count, check_stop, fit_max_tokens, sampling_params
+from mm_engine.api.limits import (
+    check_image_count,
+    check_stop,
+    fit_max_tokens,
+    logit_bias,
+    sampling_params,
+    set_min_tokens,
+)
 from mm_engine.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -40,12 +47,9 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
     if body.logprobs:
         raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
-    for name in ("tools", "tool_choice", "response_format", "logit_bias", "top_logprobs"):
+    for name in ("tools", "tool_choice", "response_format", "top_logprobs"):
         if getattr(body, name) is not UNSET:
             raise APIError(400, f"{name} is not supported yet", param=name, code="unsupported_parameter")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -93,7 +97,8 @@ async def _to_engine_messages(
     responses=error_responses(),
     summary="Chat completion (OpenAI-compatible)",
     description="With `stream=true` the answer is server-sent events of `chat.completion.chunk` "
-    "objects, then `data: [DONE]`. Extra fields: `priority` (lower first), `top_k`, `ignore_eos`.",
+    "objects, then `data: [DONE]`. Extra fields (vLLM's): `priority` (lower first), `top_k`, `ignore_eos`, "
+    "`repetition_penalty`, `min_p`, `min_tokens`.",
     operation_id="createChatCompletion",
     tags=["openai"],
 )
@@ -113,6 +118,11 @@ async def create_chat_completion(
         seed=data.seed,
         stop=check_stop(data.stop, settings),
         ignore_eos=data.ignore_eos,
+        frequency_penalty=data.frequency_penalty,
+        presence_penalty=data.presence_penalty,
+        repetition_penalty=data.repetition_penalty,
+        min_p=data.min_p,
+        logit_bias=logit_bias(data.logit_bias),
         output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
     )
     ctx.llm.check_admission()
@@ -127,6 +137,8 @@ async def create_chat_completion(
     param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     fit_max_tokens(params, requested, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
                    settings, param, "messages")  # fmt: skip
+    if data.min_tokens:
+        set_min_tokens(params, data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
     head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage))

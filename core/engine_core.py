@@ -23,6 +23,7 @@ from mm_engine.core.reports import core_stats, kv_report
 from mm_engine.core.types import CoreOutput, CoreRequest
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.faults import StepFailedError, is_device_fault
+from mm_engine.logit_adjust import RowContext
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.platform import make_platform
@@ -218,12 +219,21 @@ class EngineCore(OverlappedSteps):
             self.blocks.commit(req)
         if not sampling:  # only mid-prompt chunks this step
             return []
-        new_tokens = self.sampler.sample(
-            logits,
-            [batch.items[k][0].params for k in sampling],
-            [batch.items[k][0].generator for k in sampling],
-        )
+        reqs = [batch.items[k][0] for k in sampling]
+        params, gens = [r.params for r in reqs], [r.generator for r in reqs]
+        new_tokens = self.sampler.sample(logits, params, gens, self._row_contexts(reqs))
         return self._record(batch.items, sampling, new_tokens)
+
+    @staticmethod
+    def _row_contexts(reqs: list[Request]) -> list[RowContext] | None:
+        """What the logit adjustments read (min_tokens, logit_bias, penalties), where any row has one."""
+        if not any(r.params.adjusts_logits for r in reqs):
+            return None
+        return [
+            RowContext.of(r.token_ids, r.num_prompt_tokens, r.eos_token_ids | set(r.params.stop_token_ids),
+                          r.params)
+            for r in reqs
+        ]  # fmt: skip
 
     def _record(
         self, items: list[tuple[Request, int]], sampling: list[int], tokens: list[int]

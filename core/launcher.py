@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mm_engine.logit_adjust import RowContext
 from mm_engine.model_runner import ModelRunner, StepInputs
 from mm_engine.sampler import Sampler
 from mm_engine.sampling_params import SamplingParams
@@ -80,13 +81,14 @@ class StepLauncher:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         prev: Launched | None,
+        rows: list[RowContext] | None = None,
     ) -> Launched:
         if self._worker is not None:
-            future = self._worker.submit(self._run, inputs, params, generators, prev)
+            future = self._worker.submit(self._run, inputs, params, generators, prev, rows)
             return Launched(items, inputs.sampling, future)
         future: Future = Future()
         try:
-            tokens = self._run(inputs, params, generators, prev)
+            tokens = self._run(inputs, params, generators, prev, rows)
         except Exception as exc:  # noqa: BLE001 - surfaces where the tokens are read, as in thread mode
             future.set_exception(exc)
             return Launched(items, inputs.sampling, future)
@@ -105,12 +107,13 @@ class StepLauncher:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         prev: Launched | None,
+        rows: list[RowContext] | None,
     ) -> torch.Tensor | None:
         prev_tokens = prev.device_tokens() if prev is not None and inputs.from_prev is not None else None
         logits, sampling = self.runner.forward(inputs, prev_tokens)
         if not sampling:
             return None
-        return self.sampler.sample_tensor(logits, params, generators)
+        return self.sampler.sample_tensor(logits, params, generators, rows)
 
     def close(self) -> None:
         if self._worker is not None:

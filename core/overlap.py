@@ -29,6 +29,9 @@ class OverlappedSteps:
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
         batch = self._schedule()
+        if prev is not None and any(req.params.needs_history for req, _ in batch.items):
+            # A penalty reads the tokens so far: the previous step's must be on the host first.
+            prev, outputs = None, self._collect_before(prev, batch, outputs)
         launched, launch_error = None, None
         if batch.items:
             try:
@@ -52,6 +55,14 @@ class OverlappedSteps:
             self._settle(launched)
         return outputs
 
+    def _collect_before(self, prev: Launched, batch: ScheduledBatch, outputs: list[CoreOutput]):
+        try:
+            return outputs + self._collect(prev)
+        except Exception as exc:
+            ids = list(dict.fromkeys(req.request_id for req, _ in [*prev.items, *batch.items]))
+            self._carry = [o for o in outputs if o.request_id not in ids]
+            raise self._failed(exc, ids) from exc
+
     def _launch(self, batch: ScheduledBatch, prev: Launched | None) -> Launched:
         pending = (
             {} if prev is None else {prev.items[k][0].request_id: i for i, k in enumerate(prev.sampling)}
@@ -59,7 +70,7 @@ class OverlappedSteps:
         inputs = self.runner.prepare(batch.items, pending)
         sampling = [batch.items[k][0] for k in inputs.sampling]
         params, gens = [r.params for r in sampling], [r.generator for r in sampling]
-        return self.launcher.launch(batch.items, inputs, params, gens, prev)
+        return self.launcher.launch(batch.items, inputs, params, gens, prev, self._row_contexts(sampling))
 
     def _collect(self, step: Launched) -> list[CoreOutput]:
         """The tokens a launched step sampled, in place of its requests' placeholders."""

@@ -30,6 +30,10 @@ class Admission:
         self._token_ids(ids, spans)
         for k, span in enumerate(spans):
             self._image(k, span)
+        for tok in params.logit_bias or {}:
+            if tok >= self.vocab_size:
+                last = self.vocab_size - 1
+                raise ValueError(f"logit_bias token {tok} is not a token id of this model (0 .. {last})")
 
     def _token_ids(self, ids: list[int], spans: list[ImageSpan]) -> None:
         """Every id the language model embeds must be one (image positions are replaced, so their

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mm_engine.host_copy import to_device
+from mm_engine.logit_adjust import RowContext, adjust_logits
 from mm_engine.sampling_params import SamplingParams
 
 GREEDY_BELOW = 1e-5
@@ -27,8 +28,9 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        rows: list[RowContext] | None = None,
     ) -> list[int]:
-        return self.sample_tensor(logits, params, generators).tolist()
+        return self.sample_tensor(logits, params, generators, rows).tolist()
 
     @torch.inference_mode()
     def sample_tensor(
@@ -36,11 +38,17 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        rows: list[RowContext] | None = None,
     ) -> torch.Tensor:
-        """The sampled ids as a tensor `[batch]` on the logits' device, without waiting for them."""
+        """The sampled ids as a tensor `[batch]` on the logits' device, without waiting for them.
+        `rows`: each row's tokens so far, needed when its params adjust the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError("sample() needs logits [batch, vocab] and one params and generator per row")
         logits = logits.float()
+        if any(p.adjusts_logits for p in params):
+            if rows is None or len(rows) != len(params):
+                raise ValueError("these sampling params adjust the logits: pass each row's context")
+            logits = adjust_logits(logits.clone(), params, rows)
         greedy_ids = logits.argmax(dim=-1)
         # A temperature this small only overflows the division; it means greedy (as in vLLM).
         greedy = [p.temperature < GREEDY_BELOW for p in params]
@@ -65,6 +73,12 @@ class Sampler:
         # to 1.0 before the end must not cut the tail of a row that asked for no top-p).
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         ps = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        min_ps = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_ps):  # tokens below min_p times the row's top probability go
+            probs = torch.softmax(logits, dim=-1)
+            min_p = to_device(min_ps, torch.float32, logits.device).unsqueeze(1)
+            floor = min_p * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         if all(k == vocab for k in ks) and all(p > 1.0 for p in ps):
             return torch.softmax(logits, dim=-1)
 

@@ -27,6 +27,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Logit adjustments (vLLM's meanings), applied in this order before temperature:
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 to 100)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output so far
+    frequency_penalty: float = 0.0  # minus this times a token's count in the output so far
+    presence_penalty: float = 0.0  # minus this once a token is in the output
+    min_p: float = 0.0  # after temperature: tokens below min_p times the top probability go
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,10 +64,39 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens, got {self.min_tokens!r}")
+        for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+            value = getattr(self, name)
+            if not _number(value) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be a number from {lo:g} to {hi:g}, got {value!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to numbers")
+            for token, bias in self.logit_bias.items():
+                if not _integer(token) or token < 0:
+                    raise ValueError(
+                        f"logit_bias keys must be token ids (non-negative integers), got {token!r}"
+                    )
+                if not _number(bias) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {bias!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (the penalties do)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def _integer(x) -> bool:
