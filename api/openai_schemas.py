@@ -52,11 +52,11 @@ class ChatCompletionRequest(Struct):
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # needs logprobs: true
     # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
     tools: Any = UNSET
     tool_choice: Any = UNSET
     response_format: Any = UNSET
-    top_logprobs: Any = UNSET
     # Extras (vLLM names): send them with the openai client's `extra_body`.
     priority: Priority = 0
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
@@ -71,11 +71,28 @@ class AssistantMessage(Struct):
     role: str = "assistant"
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(Struct):
@@ -97,7 +114,7 @@ class ChunkChoice(Struct):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):

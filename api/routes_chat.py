@@ -29,14 +29,17 @@ from mm_engine.api.openai_schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    ChoiceLogprobs,
     ChunkChoice,
     DeltaMessage,
     ImagePart,
+    TokenLogprob,
+    TopLogprob,
 )
 from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import usage_of
 from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
-from mm_engine.outputs import RequestOutput
+from mm_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mm_engine.sampling_params import RequestOutputKind
 
 _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
@@ -45,9 +48,9 @@ _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
     if body.n != 1:
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
-    for name in ("tools", "tool_choice", "response_format", "top_logprobs"):
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    for name in ("tools", "tool_choice", "response_format"):
         if getattr(body, name) is not UNSET:
             raise APIError(400, f"{name} is not supported yet", param=name, code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
@@ -123,6 +126,7 @@ async def create_chat_completion(
         repetition_penalty=data.repetition_penalty,
         min_p=data.min_p,
         logit_bias=logit_bias(data.logit_bias),
+        logprobs=(data.top_logprobs or 0) if data.logprobs else None,
         output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
     )
     ctx.llm.check_admission()
@@ -141,7 +145,8 @@ async def create_chat_completion(
         set_min_tokens(params, data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
-    head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage))
+    head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage),
+                 (data.top_logprobs or 0) if data.logprobs else None)  # fmt: skip
     with client_errors(None):
         if not data.stream:
             return head.response(await ctx.run(request, last_output(gen)))
@@ -150,21 +155,34 @@ async def create_chat_completion(
 
 
 class _Head:
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, top: int | None) -> None:
         self.rid, self.created, self.model, self.include_usage = rid, created, model, include_usage
+        self.top = top  # top_logprobs per token; None: no logprobs
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         c = out.outputs[0]
-        choice = ChatChoice(0, AssistantMessage(c.text), c.finish_reason)
+        choice = ChatChoice(0, AssistantMessage(c.text), c.finish_reason, self.logprobs(c, out.finished))
         return ChatCompletionResponse(self.rid, self.created, self.model, [choice], usage_of(out))
 
-    def chunk(self, delta: DeltaMessage, finish_reason: str | None = None) -> bytes:
+    def chunk(
+        self, delta: DeltaMessage, finish_reason: str | None = None, logprobs: ChoiceLogprobs | None = None
+    ) -> bytes:
         return sse(
             ChatCompletionChunk(
-                self.rid, self.created, self.model, [ChunkChoice(0, delta, finish_reason)],
+                self.rid, self.created, self.model, [ChunkChoice(0, delta, finish_reason, logprobs)],
                 None if self.include_usage else UNSET,
             )
         )  # fmt: skip
+
+    def logprobs(self, c: CompletionOutput, finished: bool) -> ChoiceLogprobs | None:
+        """OpenAI's shape of a completion's logprobs; the EOS or stop token that ended it is not
+        part of the content, so neither is its logprob."""
+        if self.top is None or c.logprobs is None:
+            return None
+        entries = c.logprobs
+        if finished and c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and entries:
+            entries = entries[:-1]
+        return ChoiceLogprobs([_token_logprob(e, self.top) for e in entries])
 
     def usage_chunk(self, out: RequestOutput, completion_tokens: int) -> bytes:
         usage = usage_of(out, completion_tokens)
@@ -179,9 +197,10 @@ async def _events(
         out, generated = first, 0
         while True:
             generated += len(out.outputs[0].token_ids)  # outputs are deltas
-            if out.delta_text or out.finished:
+            logprobs = head.logprobs(out.outputs[0], out.finished)
+            if out.delta_text or out.finished or (logprobs is not None and logprobs.content):
                 reason = out.outputs[0].finish_reason if out.finished else None
-                yield head.chunk(DeltaMessage(content=out.delta_text or None), reason)
+                yield head.chunk(DeltaMessage(content=out.delta_text or None), reason, logprobs)
             if out.finished:
                 break
             out = await anext(gen)
@@ -192,3 +211,11 @@ async def _events(
     finally:
         await gen.aclose()  # no-op when finished; aborts the request when the client left
     yield DONE
+
+
+def _token_logprob(entry: dict[int, Logprob], top: int) -> TokenLogprob:
+    """One token's entry: the sampled token comes first in the engine's dict, then the top ones."""
+    sampled = next(iter(entry.values()))
+    best = sorted(entry.values(), key=lambda lp: lp.rank)[:top]
+    tops = [TopLogprob(lp.decoded_token, lp.logprob, list(lp.decoded_token.encode())) for lp in best]
+    return TokenLogprob(sampled.decoded_token, sampled.logprob, list(sampled.decoded_token.encode()), tops)

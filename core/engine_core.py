@@ -20,7 +20,7 @@ from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from mm_engine.core.launcher import Launched, StepLauncher
 from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.reports import core_stats, kv_report
-from mm_engine.core.types import CoreOutput, CoreRequest
+from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.faults import StepFailedError, is_device_fault
 from mm_engine.logit_adjust import RowContext
@@ -221,8 +221,8 @@ class EngineCore(OverlappedSteps):
             return []
         reqs = [batch.items[k][0] for k in sampling]
         params, gens = [r.params for r in reqs], [r.generator for r in reqs]
-        new_tokens = self.sampler.sample(logits, params, gens, self._row_contexts(reqs))
-        return self._record(batch.items, sampling, new_tokens)
+        sampled = self.sampler.sample_tensor(logits, params, gens, self._row_contexts(reqs))
+        return self._record(reqs, sampled.ids.tolist(), sampled.host_logprobs(params))
 
     @staticmethod
     def _row_contexts(reqs: list[Request]) -> list[RowContext] | None:
@@ -236,22 +236,23 @@ class EngineCore(OverlappedSteps):
         ]  # fmt: skip
 
     def _record(
-        self, items: list[tuple[Request, int]], sampling: list[int], tokens: list[int]
+        self, reqs: list[Request], tokens: list[int], logprobs: list[TokenLogprobs | None]
     ) -> list[CoreOutput]:
         now = time.time()
         outputs = []
-        for k, token in zip(sampling, tokens, strict=True):
-            req = items[k][0]
-            outputs.append(self._append(req, token, now))
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+            outputs.append(self._append(req, token, now, lp))
             if req.finish_reason is not None:
                 del self.requests[req.request_id]
         return outputs
 
-    def _append(self, req: Request, token: int, now: float) -> CoreOutput:
+    def _append(self, req: Request, token: int, now: float, lp: TokenLogprobs | None) -> CoreOutput:
         req.token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = now
         out = CoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
+        if lp is not None:
+            out.logprobs = [lp]
         if token in req.eos_token_ids or token in req.params.stop_token_ids:
             out.ended_by_token = True
             out.stop_token = token if token in req.params.stop_token_ids else None

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mm_engine.core.types import TokenLogprobs
 from mm_engine.logit_adjust import RowContext
 from mm_engine.model_runner import ModelRunner, StepInputs
-from mm_engine.sampler import Sampler
+from mm_engine.sampler import Sampled, Sampler
 from mm_engine.sampling_params import SamplingParams
 
 LAUNCH_MODES = ("inline", "thread")
@@ -34,24 +35,32 @@ class Launched:
 
     items: list  # the scheduled (request, new tokens) pairs
     sampling: list[int]  # indices into `items` of the requests that sample
-    tokens: Future  # the sampled ids as a tensor on the device (None when nothing samples)
+    tokens: Future  # what it sampled (Sampled, on the device; None when nothing samples)
     host: torch.Tensor | None = None  # pinned copy of the tokens (CUDA inline)
     ready: torch.cuda.Event | None = field(default=None)  # recorded after that copy
 
     def device_tokens(self) -> torch.Tensor | None:
         """The sampled ids on the device (in thread mode: waits for the step; in launch order
         they are always done by the time a later launch asks)."""
-        return self.tokens.result()
+        sampled = self.tokens.result()
+        return None if sampled is None else sampled.ids
 
     def token_ids(self) -> list[int]:
         """The sampled ids on the host: the point where the host waits for the device."""
-        tokens = self.tokens.result()
-        if tokens is None:
+        sampled = self.tokens.result()
+        if sampled is None:
             return []
         if self.ready is not None:
             self.ready.synchronize()
             return self.host.tolist()
-        return tokens.tolist()
+        return sampled.ids.tolist()
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per sampling row, the logprobs it asked for (after `token_ids`)."""
+        sampled = self.tokens.result()
+        if sampled is None:
+            return []
+        return sampled.host_logprobs([self.items[k][0].params for k in self.sampling])
 
     def wait(self) -> None:
         """Wait until the step has run, without reading (or raising) anything."""
@@ -95,8 +104,8 @@ class StepLauncher:
         future.set_result(tokens)
         if tokens is None or self.device.type != "cuda":
             return Launched(items, inputs.sampling, future)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        host = torch.empty(tokens.ids.shape, dtype=tokens.ids.dtype, pin_memory=True)
+        host.copy_(tokens.ids, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return Launched(items, inputs.sampling, future, host, ready)
@@ -108,7 +117,7 @@ class StepLauncher:
         generators: list[torch.Generator | None],
         prev: Launched | None,
         rows: list[RowContext] | None,
-    ) -> torch.Tensor | None:
+    ) -> Sampled | None:
         prev_tokens = prev.device_tokens() if prev is not None and inputs.from_prev is not None else None
         logits, sampling = self.runner.forward(inputs, prev_tokens)
         if not sampling:

@@ -75,13 +75,14 @@ class OverlappedSteps:
     def _collect(self, step: Launched) -> list[CoreOutput]:
         """The tokens a launched step sampled, in place of its requests' placeholders."""
         tokens = step.token_ids()
+        logprobs = step.logprobs()
         live = []
-        for k, token in zip(step.sampling, tokens, strict=True):
+        for k, token, lp in zip(step.sampling, tokens, logprobs, strict=True):
             req = step.items[k][0]
             if self.requests.get(req.request_id) is req:  # else aborted meanwhile, or a stale row
                 req.token_ids.pop()  # its PLACEHOLDER, always the last
-                live.append((req, token))
-        return self._record([(r, 1) for r, _ in live], list(range(len(live))), [t for _, t in live])
+                live.append((req, token, lp))
+        return self._record([r for r, _, _ in live], [t for _, t, _ in live], [lp for *_, lp in live])
 
     def _settle(self, step: Launched) -> None:
         """Once a launched step's inputs are all known: advance its requests, register their full

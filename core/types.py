@@ -21,6 +21,16 @@ class CoreRequest:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's logprob and rank (1: the most likely), and the top alternatives."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class CoreOutput:
     """One request's progress in one step: the tokens it gained, and why it ended, if it did.
 
@@ -36,3 +46,4 @@ class CoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked

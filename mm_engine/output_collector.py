@@ -24,8 +24,10 @@ class OutputCollector:
         self._last: RequestOutput | None = None  # the newest engine output not taken yet
         self._new_ids: list[int] = []  # since the consumer's previous output
         self._new_text: list[str] = []
+        self._new_logprobs: list | None = None  # per token, where the request asked for them
         self._all_ids: list[int] = []  # since the start (not kept for DELTA)
         self._all_text = ""
+        self._all_logprobs: list = []
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
@@ -34,6 +36,8 @@ class OutputCollector:
         self._last = out
         self._new_ids += out.outputs[0].token_ids
         self._new_text.append(out.delta_text)
+        if out.outputs[0].logprobs is not None:
+            self._new_logprobs = (self._new_logprobs or []) + out.outputs[0].logprobs
         if self.kind is not FINAL_ONLY or out.finished:
             self._ready.set()
 
@@ -59,12 +63,17 @@ class OutputCollector:
     def _build(self, out: RequestOutput) -> RequestOutput:
         delta = "".join(self._new_text)
         new_ids, self._new_ids, self._new_text = self._new_ids, [], []
+        new_lps, self._new_logprobs = self._new_logprobs, None
         if self.kind is DELTA:
-            text, token_ids = delta, new_ids
+            text, token_ids, logprobs = delta, new_ids, new_lps
         else:
             self._all_text += delta
             self._all_ids += new_ids
+            self._all_logprobs += new_lps or []
             text, token_ids = self._all_text, list(self._all_ids)
+            logprobs = None if new_lps is None and not self._all_logprobs else list(self._all_logprobs)
         c = out.outputs[0]
-        completion = CompletionOutput(c.index, text, token_ids, c.finish_reason, c.stop_reason)
+        completion = CompletionOutput(
+            c.index, text, token_ids, c.finish_reason, c.stop_reason, logprobs, c.cumulative_logprob
+        )
         return dataclasses.replace(out, outputs=[completion], delta_text=delta)

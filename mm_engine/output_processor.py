@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mm_engine.core.types import CoreOutput
+from mm_engine.core.types import CoreOutput, TokenLogprobs
 from mm_engine.detokenizer import IncrementalDetokenizer
-from mm_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mm_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -24,12 +24,15 @@ class _State:
     detokenizer: IncrementalDetokenizer
     arrival_time: float
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer  # used on one thread only: the one that calls `process`
         self._states: dict[str, _State] = {}
+        self._token_text: dict[int, str] = {}  # for logprobs: each token's own text
 
     def add(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -57,6 +60,10 @@ class OutputProcessor:
             if st is None:  # aborted while the step ran
                 continue
             st.output_ids += co.new_token_ids
+            if co.logprobs:
+                pairs = zip(co.new_token_ids, co.logprobs, strict=True)
+                st.logprobs += [self._logprobs(t, lp) for t, lp in pairs]
+                st.cumulative_logprob += sum(lp.logprob for lp in co.logprobs)
             detok = st.detokenizer
             reason, stop_reason = co.finish_reason, co.stop_token
             if co.ended_by_token:  # EOS or a stop token: not part of the text
@@ -76,6 +83,18 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs, stopped
 
+    def _logprobs(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        entry = {token: Logprob(lp.logprob, lp.rank, self._text(token))}
+        for rank, (t, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), start=1):
+            entry.setdefault(t, Logprob(value, rank, self._text(t)))
+        return entry
+
+    def _text(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
+
     @staticmethod
     def _output(
         co: CoreOutput, st: _State, delta: str, reason: str | None, stop_reason: int | str | None
@@ -83,17 +102,32 @@ class OutputProcessor:
         kind = st.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and reason is None:
             return None
+        logprobs = None
         if kind is RequestOutputKind.DELTA:
             text, token_ids = delta, co.new_token_ids
+            if st.params.logprobs is not None:
+                logprobs = st.logprobs[len(st.output_ids) - len(co.new_token_ids) :]
         else:
             text, token_ids = st.detokenizer.text, list(st.output_ids)
+            if st.params.logprobs is not None:
+                logprobs = list(st.logprobs)
         finished = co.finished_time or (time.time() if reason is not None else None)  # by a stop string
         metrics = RequestMetrics(st.arrival_time, co.first_scheduled_time, co.first_token_time, finished)
         return RequestOutput(
             request_id=co.request_id,
             prompt=st.prompt,
             prompt_token_ids=st.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, token_ids, reason, stop_reason)],
+            outputs=[
+                CompletionOutput(
+                    0,
+                    text,
+                    token_ids,
+                    reason,
+                    stop_reason,
+                    logprobs,
+                    st.cumulative_logprob if logprobs is not None else None,
+                )
+            ],  # fmt: skip
             finished=reason is not None,
             metrics=metrics,
             num_cached_tokens=co.num_cached_tokens,

@@ -6,12 +6,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log probability, its rank among all (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # With SamplingParams(logprobs=k): per token, the sampled one first, then the top k.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)

@@ -4,17 +4,48 @@ Everything is vectorised over rows with per-row settings. Random rows are drawn 
 exponential-race trick: argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i].
 Each row's noise comes from that row's own generator (or the global RNG when it has none), so a
 seeded request gets the same tokens whatever else shares its batch and wherever it sits in it.
+
+Rows that ask for logprobs get them from the logits the sample was drawn from: after the logit
+adjustments and temperature (1 for greedy rows), before top-k/top-p/min_p (as OpenAI reports them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from mm_engine.core.types import TokenLogprobs
 from mm_engine.host_copy import to_device
 from mm_engine.logit_adjust import RowContext, adjust_logits
 from mm_engine.sampling_params import SamplingParams
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's limit)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One step's samples, on the device: ids `[batch]`; where a row asked for logprobs, the
+    sampled token's logprob and rank (1 = the most likely) and the top `max_k` alternatives."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor | None = None  # [batch]
+    ranks: torch.Tensor | None = None  # [batch]
+    top_ids: torch.Tensor | None = None  # [batch, max_k]
+    top_logprobs: torch.Tensor | None = None  # [batch, max_k]
+
+    def host_logprobs(self, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+        """Per row, what it asked for, as plain values (waits for the device)."""
+        if self.logprobs is None:
+            return [None] * len(params)
+        lps, ranks = self.logprobs.tolist(), self.ranks.tolist()
+        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, p in enumerate(params):
+            k = p.logprobs
+            out.append(None if k is None else TokenLogprobs(lps[i], ranks[i], top_ids[i][:k], top_lps[i][:k]))
+        return out
 
 
 class Sampler:
@@ -30,7 +61,7 @@ class Sampler:
         generators: list[torch.Generator | None],
         rows: list[RowContext] | None = None,
     ) -> list[int]:
-        return self.sample_tensor(logits, params, generators, rows).tolist()
+        return self.sample_tensor(logits, params, generators, rows).ids.tolist()
 
     @torch.inference_mode()
     def sample_tensor(
@@ -39,8 +70,8 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         rows: list[RowContext] | None = None,
-    ) -> torch.Tensor:
-        """The sampled ids as a tensor `[batch]` on the logits' device, without waiting for them.
+    ) -> Sampled:
+        """The samples as tensors on the logits' device, without waiting for them.
         `rows`: each row's tokens so far, needed when its params adjust the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError("sample() needs logits [batch, vocab] and one params and generator per row")
@@ -52,18 +83,32 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         # A temperature this small only overflows the division; it means greedy (as in vLLM).
         greedy = [p.temperature < GREEDY_BELOW for p in params]
-        if all(greedy):
-            return greedy_ids
-
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if all(greedy) and not wants_logprobs:
+            return Sampled(greedy_ids)
         device = logits.device
         temps = to_device(
             [p.temperature if p.temperature >= GREEDY_BELOW else 1.0 for p in params], None, device
         )
-        probs = self._filtered_probs(logits / temps.unsqueeze(1), params)
-        noise = self._exponential_noise(probs.shape, generators, device, self.generator)
-        sampled_ids = (probs / noise).argmax(dim=-1)
-        is_greedy = to_device(greedy, torch.bool, device)
-        return torch.where(is_greedy, greedy_ids, sampled_ids)
+        scaled = logits / temps.unsqueeze(1)
+        if all(greedy):
+            ids = greedy_ids
+        else:
+            probs = self._filtered_probs(scaled, params)
+            noise = self._exponential_noise(probs.shape, generators, device, self.generator)
+            sampled_ids = (probs / noise).argmax(dim=-1)
+            ids = torch.where(to_device(greedy, torch.bool, device), greedy_ids, sampled_ids)
+        if not wants_logprobs:
+            return Sampled(ids)
+        return self._with_logprobs(ids, scaled, max(p.logprobs or 0 for p in params))
+
+    @staticmethod
+    def _with_logprobs(ids: torch.Tensor, scaled: torch.Tensor, max_k: int) -> Sampled:
+        lp = torch.log_softmax(scaled, dim=-1)
+        chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
+        ranks = (lp > chosen.unsqueeze(1)).sum(dim=-1) + 1
+        top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k else (lp[:, :0], ids.unsqueeze(1)[:, :0])
+        return Sampled(ids, chosen, ranks, top_ids, top_lp)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

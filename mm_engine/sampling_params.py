@@ -34,6 +34,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times a token's count in the output so far
     presence_penalty: float = 0.0  # minus this once a token is in the output
     min_p: float = 0.0  # after temperature: tokens below min_p times the top probability go
+    logprobs: int | None = None  # the sampled token's logprob and this many top ones (0 to 20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +73,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number from {lo:g} to {hi:g}, got {value!r}")
         if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and not (_integer(self.logprobs) and 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
