@@ -90,11 +90,17 @@ def engine_error(exc: EngineError, retry_after: int) -> APIError:
 
 @contextlib.contextmanager
 def client_errors(param: str | None) -> Iterator[None]:
-    """Turn a ValueError of the engine (bad prompt, bad image, too long) into a 400 naming `param`."""
+    """Turn a ValueError of the engine (bad prompt, bad image, too long) into a 400 naming `param`
+    (or the field the message names: the engine checks token ids and logit_bias on admission)."""
     try:
         yield
     except (ValueError, TemplateError) as exc:
-        raise APIError(400, str(exc) or "invalid request", param=param, code="invalid_value") from None
+        message = str(exc) or "invalid request"
+        named = next((p for prefix, p in _NAMED_BY if message.startswith(prefix)), param)
+        raise APIError(400, message, param=named, code="invalid_value") from None
+
+
+_NAMED_BY = (("logit_bias", "logit_bias"), ("prompt token", "prompt"))
 
 
 # ---- Litestar exception handlers -----------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mm_engine.api.errors import APIError
 from mm_engine.api.settings import ServerSettings
-from mm_engine.sampling_params import SamplingParams
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "frequency_penalty",
            "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")  # fmt: skip
@@ -100,3 +100,23 @@ def fit_max_tokens(
         )
     else:
         params.max_tokens = requested
+
+
+def request_params(data, settings: ServerSettings, logprobs: int | None) -> SamplingParams:
+    """The sampling fields that chat and completions share (OpenAI's and vLLM's extras), as
+    `SamplingParams`; max_tokens and min_tokens are set once the prompt's length is known."""
+    return sampling_params(
+        temperature=data.temperature,
+        top_p=data.top_p,
+        top_k=data.top_k,
+        seed=data.seed,
+        stop=check_stop(data.stop, settings),
+        ignore_eos=data.ignore_eos,
+        frequency_penalty=data.frequency_penalty,
+        presence_penalty=data.presence_penalty,
+        repetition_penalty=data.repetition_penalty,
+        min_p=data.min_p,
+        logit_bias=logit_bias(data.logit_bias),
+        logprobs=logprobs,
+        output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
+    )

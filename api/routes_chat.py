@@ -14,14 +14,7 @@ from msgspec import UNSET
 
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import (
-    check_image_count,
-    check_stop,
-    fit_max_tokens,
-    logit_bias,
-    sampling_params,
-    set_min_tokens,
-)
+from mm_engine.api.limits import check_image_count, fit_max_tokens, request_params, set_min_tokens
 from mm_engine.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -40,7 +33,6 @@ from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import usage_of
 from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
 from mm_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from mm_engine.sampling_params import RequestOutputKind
 
 _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
 
@@ -57,9 +49,7 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
 
-async def _to_engine_messages(
-    ctx: ServerContext, messages: list[ChatMessage]
-) -> tuple[list[dict], list[str]]:
+async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
     """Plain dicts for the chat template; remote images fetched (when allowed) into data: URLs.
 
     Also returns where each image came from, so an image error can name its field."""
@@ -114,23 +104,9 @@ async def create_chat_completion(
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
     requested = data.max_completion_tokens or data.max_tokens
-    params = sampling_params(
-        temperature=data.temperature,
-        top_p=data.top_p,
-        top_k=data.top_k,
-        seed=data.seed,
-        stop=check_stop(data.stop, settings),
-        ignore_eos=data.ignore_eos,
-        frequency_penalty=data.frequency_penalty,
-        presence_penalty=data.presence_penalty,
-        repetition_penalty=data.repetition_penalty,
-        min_p=data.min_p,
-        logit_bias=logit_bias(data.logit_bias),
-        logprobs=(data.top_logprobs or 0) if data.logprobs else None,
-        output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
-    )
+    params = request_params(data, settings, (data.top_logprobs or 0) if data.logprobs else None)
     ctx.llm.check_admission()
-    messages, where = await _to_engine_messages(ctx, data.messages)
+    messages, where = await to_engine_messages(ctx, data.messages)
     try:
         inputs = await ctx.llm.process_chat(messages)
     except ValueError as exc:

@@ -1,0 +1,99 @@
+"""OpenAI's legacy completions wire format (`POST /v1/completions`) and vLLM's `/tokenize` and
+`/detokenize`: the subset we serve, with the same vLLM-style extras as chat."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from mm_engine.api.openai_schemas import StreamOptions
+from mm_engine.api.schemas import MaxTokens, Priority, Seed, TopP, Usage
+
+
+class CompletionRequest(Struct):
+    # A string, a list of strings (one choice each), a list of token ids, or a list of those.
+    prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=64)]
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    best_of: Annotated[int, Meta(ge=1, le=128)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    suffix: Any = UNSET  # refused by name: no insertion
+    # Extras (vLLM names), as in chat.
+    priority: Priority = 0
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "text_completion"
+
+
+class TokenizeRequest(Struct):
+    """vLLM's: a `prompt`, or chat `messages` (then the chat template, image tokens expanded)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct):
+    tokens: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1_000_000)]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
