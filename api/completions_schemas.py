@@ -7,37 +7,17 @@ from typing import Annotated, Any
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from mm_engine.api.openai_schemas import StreamOptions
-from mm_engine.api.schemas import MaxTokens, Priority, Seed, TopP, Usage
+from mm_engine.api.openai_schemas import SamplingFields
+from mm_engine.api.schemas import Usage
 
 
-class CompletionRequest(Struct):
+class CompletionRequest(SamplingFields, kw_only=True):
     # A string, a list of strings (one choice each), a list of token ids, or a list of those.
     prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=64)]
-    model: str | None = None
-    max_tokens: MaxTokens | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: TopP | None = None
-    seed: Seed | None = None
-    stop: str | list[str] | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
     best_of: Annotated[int, Meta(ge=1, le=128)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     echo: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    user: str | None = None
     suffix: Any = UNSET  # refused by name: no insertion
-    # Extras (vLLM names), as in chat.
-    priority: Priority = 0
-    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
-    ignore_eos: bool = False
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 class CompletionLogprobs(Struct):

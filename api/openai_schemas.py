@@ -35,11 +35,11 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Struct):
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+class SamplingFields(Struct, kw_only=True):
+    """What chat and completions requests share: the model, sampling, streaming and the extras."""
+
     model: str | None = None
     max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
@@ -51,12 +51,6 @@ class ChatCompletionRequest(Struct):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # needs logprobs: true
-    # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
-    tools: Any = UNSET
-    tool_choice: Any = UNSET
-    response_format: Any = UNSET
     # Extras (vLLM names): send them with the openai client's `extra_body`.
     priority: Priority = 0
     top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
@@ -64,6 +58,17 @@ class ChatCompletionRequest(Struct):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # needs logprobs: true
+    # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
+    tools: Any = UNSET
+    tool_choice: Any = UNSET
+    response_format: Any = UNSET
 
 
 class AssistantMessage(Struct):
