@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mm_engine.api.errors import APIError
 from mm_engine.api.settings import ServerSettings
-from mm_engine.sampling_params import RequestOutputKind, SamplingParams
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputs
 
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "frequency_penalty",
            "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")  # fmt: skip
@@ -102,7 +102,9 @@ def fit_max_tokens(
         params.max_tokens = requested
 
 
-def request_params(data, settings: ServerSettings, logprobs: int | None) -> SamplingParams:
+def request_params(
+    data, settings: ServerSettings, logprobs: int | None, structured: StructuredOutputs | None = None
+) -> SamplingParams:
     """The sampling fields that chat and completions share (OpenAI's and vLLM's extras), as
     `SamplingParams`; max_tokens and min_tokens are set once the prompt's length is known."""
     return sampling_params(
@@ -118,5 +120,42 @@ def request_params(data, settings: ServerSettings, logprobs: int | None) -> Samp
         min_p=data.min_p,
         logit_bias=logit_bias(data.logit_bias),
         logprobs=logprobs,
+        structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,
     )
+
+
+def structured_outputs_of(data, response_format=None) -> StructuredOutputs | None:
+    """The one grammar a request asks for: OpenAI's `response_format` or vLLM's fields; a 400
+    when it asks for several, or names an empty or malformed one."""
+    asked: list[tuple[str, StructuredOutputs]] = []
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            asked.append(("response_format", StructuredOutputs(json_object=True)))
+        else:
+            schema = response_format.json_schema.schema if response_format.json_schema else None
+            if schema is None:
+                raise APIError(
+                    400, "response_format json_schema needs json_schema.schema", param="response_format"
+                )
+            asked.append(("response_format", StructuredOutputs(json=schema)))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):  # fmt: skip
+        value = getattr(data, name)
+        if value is not None:
+            asked.append((name, StructuredOutputs(**{kind: value})))
+    if data.structured_outputs is not None:
+        so = data.structured_outputs
+        spec = StructuredOutputs(so.json, so.json_object, so.regex, so.choice, so.grammar)
+        asked.append(("structured_outputs", spec))
+    if len(asked) > 1:
+        names = ", ".join(n for n, _ in asked)
+        raise APIError(400, f"ask for one kind of structured output, got {names}", param=asked[1][0])
+    if not asked:
+        return None
+    name, spec = asked[0]
+    try:
+        spec.key()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=name, code="invalid_value") from None
+    return spec

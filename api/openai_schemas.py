@@ -35,6 +35,26 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class StructuredOutputsField(Struct, forbid_unknown_fields=True):
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+
+
+class JSONSchemaFormat(Struct):
+    name: str = "schema"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """What chat and completions requests share: the model, sampling, streaming and the extras."""
 
@@ -58,6 +78,12 @@ class SamplingFields(Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
+    # Structured output (vLLM's names): one of these, or chat's response_format.
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -65,10 +91,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # needs logprobs: true
+    response_format: ResponseFormat | None = None
     # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
     tools: Any = UNSET
     tool_choice: Any = UNSET
-    response_format: Any = UNSET
 
 
 class AssistantMessage(Struct):

@@ -14,7 +14,13 @@ from msgspec import UNSET
 
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import check_image_count, fit_max_tokens, request_params, set_min_tokens
+from mm_engine.api.limits import (
+    check_image_count,
+    fit_max_tokens,
+    request_params,
+    set_min_tokens,
+    structured_outputs_of,
+)
 from mm_engine.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -42,7 +48,7 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    for name in ("tools", "tool_choice", "response_format"):
+    for name in ("tools", "tool_choice"):
         if getattr(body, name) is not UNSET:
             raise APIError(400, f"{name} is not supported yet", param=name, code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
@@ -104,7 +110,8 @@ async def create_chat_completion(
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
     requested = data.max_completion_tokens or data.max_tokens
-    params = request_params(data, settings, (data.top_logprobs or 0) if data.logprobs else None)
+    structured = structured_outputs_of(data, data.response_format)
+    params = request_params(data, settings, (data.top_logprobs or 0) if data.logprobs else None, structured)
     ctx.llm.check_admission()
     messages, where = await to_engine_messages(ctx, data.messages)
     try:

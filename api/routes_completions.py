@@ -27,7 +27,7 @@ from mm_engine.api.completions_schemas import (
 )
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import fit_max_tokens, request_params, set_min_tokens
+from mm_engine.api.limits import fit_max_tokens, request_params, set_min_tokens, structured_outputs_of
 from mm_engine.api.openai_schemas import ChatMessage
 from mm_engine.api.routes_chat import to_engine_messages
 from mm_engine.api.routes_common import error_responses, require_content_type
@@ -89,7 +89,7 @@ async def create_completion(
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
     prompts = _prompts(data.prompt)
-    base = request_params(data, settings, data.logprobs)
+    base = request_params(data, settings, data.logprobs, structured_outputs_of(data))
     ctx.llm.check_admission()
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens, inputs_all = [], []

@@ -10,20 +10,22 @@ ids (core/types.py), so it runs the same in the caller's process or in a process
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
+from transformers import AutoTokenizer
 
 from mm_engine import models
 from mm_engine.admission import Admission
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
-from mm_engine.core.launcher import Launched, StepLauncher
+from mm_engine.core.launcher import Launched, make_launcher
 from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.reports import core_stats, kv_report
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.cpu_memory import huge_page_empty, tune_malloc
 from mm_engine.faults import StepFailedError, is_device_fault
-from mm_engine.logit_adjust import RowContext
+from mm_engine.logit_adjust import row_contexts
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.platform import make_platform
@@ -34,8 +36,11 @@ from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request
 from mm_engine.sampler import Sampler
 from mm_engine.sched.policy import make_policy
-from mm_engine.sched.scheduler import ScheduledBatch, Scheduler
+from mm_engine.sched.scheduler import QueueFullError, ScheduledBatch, Scheduler
+from mm_engine.structured_output import Grammars, GrammarWaitlist
 from mm_engine.vision.encoder_cache import EncoderCache
+
+logger = logging.getLogger("mm_engine.core")
 
 
 class EngineCore(OverlappedSteps):
@@ -120,19 +125,11 @@ class EngineCore(OverlappedSteps):
         self.requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self.device_lost = False  # set by a step that failed with a device fault
-        self.launcher = self._make_launcher(config)
+        self.launcher = make_launcher(config, self.runner, self.sampler, self.device)
+        self.grammars = Grammars(lambda: AutoTokenizer.from_pretrained(path), emb.num_embeddings)
+        self._compiling = GrammarWaitlist(self.grammars)  # structured requests, grammar not ready
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._carry: list[CoreOutput] = []  # outputs read before a step failed: the next step's
-
-    def _make_launcher(self, config: EngineConfig) -> StepLauncher | None:
-        cuda = self.device.type == "cuda"
-        on = config.async_scheduling
-        if on is None:
-            on = cuda  # on a CPU it does not pay (README: async scheduling)
-        if not on:
-            return None
-        mode = config.async_launch if config.async_launch != "auto" else ("inline" if cuda else "thread")
-        return StepLauncher(self.runner, self.sampler, self.device, mode)
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -158,7 +155,12 @@ class EngineCore(OverlappedSteps):
         positions = self.model.positions(new.token_ids, new.images) if new.images else None
         if positions is not None:
             req.mrope_positions, req.mrope_delta = positions.prompt, positions.delta
-        self.scheduler.add(req)  # may refuse (queue full) before anything is recorded
+        if params.structured_outputs is not None:  # held back until its grammar is compiled
+            if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
+                raise QueueFullError(f"queue full: {len(self.scheduler.waiting)} requests are waiting")
+            self._compiling.add(req)
+        else:
+            self.scheduler.add(req)  # may refuse (queue full) before anything is recorded
         self.requests[new.request_id] = req
 
     def check_fits(self, new: CoreRequest) -> None:
@@ -177,6 +179,7 @@ class EngineCore(OverlappedSteps):
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
+            self._compiling.remove(req)
             self._finish(req, "abort")
 
     # ---- one step ------------------------------------------------------------------------------
@@ -190,15 +193,38 @@ class EngineCore(OverlappedSteps):
         blocks freed), every other request stays as it was."""
         if self.device_lost:
             raise RuntimeError("the device failed earlier; this engine cannot run any more")
+        failed = self._admit_compiled() if self._compiling else []
         if self.launcher is not None:
-            return self._step_overlapped()
+            return failed + self._step_overlapped()
         batch = self._schedule()
         if not batch.items:
-            return []
+            return failed
         try:
-            return self._run(batch)
+            return failed + self._run(batch)
         except Exception as exc:
             raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
+
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Queue the requests whose grammar is compiled; end those whose grammar failed (the
+        frontend checked the spec first, so that is unexpected). With nothing else to do, wait a
+        little for a compile rather than spin."""
+        if not self.scheduler.has_work() and self._inflight is None:
+            self._compiling.wait(timeout=0.05)
+        ready, failed = self._compiling.take_ready()
+        for req in ready:
+            try:
+                self.scheduler.add(req)
+            except QueueFullError as exc:
+                failed.append((req, exc))
+        ended = []
+        for req, exc in failed:
+            logger.error("request %s: %s", req.request_id, exc)
+            del self.requests[req.request_id]
+            self._finish(req, "abort")
+            ended.append(
+                CoreOutput(req.request_id, [], finish_reason="abort", finished_time=req.finished_time)
+            )
+        return ended
 
     def _schedule(self) -> ScheduledBatch:
         batch = self.scheduler.schedule(time.time())
@@ -221,19 +247,10 @@ class EngineCore(OverlappedSteps):
             return []
         reqs = [batch.items[k][0] for k in sampling]
         params, gens = [r.params for r in reqs], [r.generator for r in reqs]
-        sampled = self.sampler.sample_tensor(logits, params, gens, self._row_contexts(reqs))
+        sampled = self.sampler.sample_tensor(
+            logits, params, gens, row_contexts(reqs, self.grammars.vocab_size)
+        )
         return self._record(reqs, sampled.ids.tolist(), sampled.host_logprobs(params))
-
-    @staticmethod
-    def _row_contexts(reqs: list[Request]) -> list[RowContext] | None:
-        """What the logit adjustments read (min_tokens, logit_bias, penalties), where any row has one."""
-        if not any(r.params.adjusts_logits for r in reqs):
-            return None
-        return [
-            RowContext.of(r.token_ids, r.num_prompt_tokens, r.eos_token_ids | set(r.params.stop_token_ids),
-                          r.params)
-            for r in reqs
-        ]  # fmt: skip
 
     def _record(
         self, reqs: list[Request], tokens: list[int], logprobs: list[TokenLogprobs | None]
@@ -253,6 +270,8 @@ class EngineCore(OverlappedSteps):
         out = CoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
         if lp is not None:
             out.logprobs = [lp]
+        if req.grammar is not None:
+            req.grammar.accept(token)
         if token in req.eos_token_ids or token in req.params.stop_token_ids:
             out.ended_by_token = True
             out.stop_token = token if token in req.params.stop_token_ids else None
@@ -261,6 +280,8 @@ class EngineCore(OverlappedSteps):
             req.num_tokens >= self.max_model_len
         ):
             self._finish(req, "length")
+        elif req.grammar is not None and req.grammar.terminated:  # its stop token, with ignore_eos
+            self._finish(req, "stop")
         out.finish_reason = req.finish_reason
         out.first_scheduled_time, out.first_token_time = req.first_scheduled_time, req.first_token_time
         out.finished_time = req.finished_time
@@ -278,7 +299,7 @@ class EngineCore(OverlappedSteps):
     def has_unfinished(self) -> bool:
         # A launched step whose requests have all ended or been aborted has nothing to hand out:
         # the next step reads it (or `close` waits for it).
-        return self.scheduler.has_work() or bool(self.requests) or bool(self._carry)
+        return self.scheduler.has_work() or bool(self.requests) or bool(self._carry) or bool(self._compiling)
 
     def kv_report(self) -> dict[str, dict]:
         return kv_report(self)

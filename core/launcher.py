@@ -127,3 +127,14 @@ class StepLauncher:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def make_launcher(config, runner: ModelRunner, sampler: Sampler, device: torch.device) -> StepLauncher | None:
+    """The launcher async scheduling asks for, or None for the plain loop (on a CPU by default:
+    there it does not pay, README "async scheduling")."""
+    cuda = device.type == "cuda"
+    on = cuda if config.async_scheduling is None else config.async_scheduling
+    if not on:
+        return None
+    mode = config.async_launch if config.async_launch != "auto" else ("inline" if cuda else "thread")
+    return StepLauncher(runner, sampler, device, mode)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mm_engine.core.launcher import Launched
 from mm_engine.core.types import CoreOutput
+from mm_engine.logit_adjust import row_contexts
 from mm_engine.model_runner import PLACEHOLDER
 from mm_engine.sched.scheduler import ScheduledBatch
 
@@ -32,6 +33,7 @@ class OverlappedSteps:
         if prev is not None and any(req.params.needs_history for req, _ in batch.items):
             # A penalty reads the tokens so far: the previous step's must be on the host first.
             prev, outputs = None, self._collect_before(prev, batch, outputs)
+            batch.items = [(req, n) for req, n in batch.items if not req.is_finished]  # ended just now
         launched, launch_error = None, None
         if batch.items:
             try:
@@ -70,7 +72,9 @@ class OverlappedSteps:
         inputs = self.runner.prepare(batch.items, pending)
         sampling = [batch.items[k][0] for k in inputs.sampling]
         params, gens = [r.params for r in sampling], [r.generator for r in sampling]
-        return self.launcher.launch(batch.items, inputs, params, gens, prev, self._row_contexts(sampling))
+        return self.launcher.launch(
+            batch.items, inputs, params, gens, prev, row_contexts(sampling, self.grammars.vocab_size)
+        )
 
     def _collect(self, step: Launched) -> list[CoreOutput]:
         """The tokens a launched step sampled, in place of its requests' placeholders."""

@@ -17,6 +17,7 @@ from mm_engine.inputs import InputProcessor, find_chat_template
 from mm_engine.output_processor import OutputProcessor
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
+from mm_engine.structured_output import Grammars
 from mm_engine.thread_tokenizer import PerThreadTokenizer
 
 IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
@@ -55,6 +56,7 @@ class PromptIntake:
     def add_request(
         self, prompt: Any, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> str:
+        self.inputs.check_structured_outputs(params)
         text, ids, spans = self.inputs.process(prompt)
         return self.add_processed(text, ids, spans, params, request_id, priority)
 
@@ -62,6 +64,7 @@ class PromptIntake:
         self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0,
         mm_processor_kwargs: dict | None = None,
     ) -> str:  # fmt: skip
+        self.inputs.check_structured_outputs(params)
         text, ids, spans = self.inputs.chat(messages, mm_processor_kwargs)
         return self.add_processed(text, ids, spans, params, request_id, priority)
 
@@ -76,6 +79,7 @@ def build_frontend(config: EngineConfig, path: Path, hf_config) -> Frontend:
     # those (twice over, for normalisers that fold characters) cannot fit.
     longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
     inputs.max_prompt_chars = 2 * max_model_len * max(longest, 1)
+    inputs.grammars = Grammars(per_thread.get, hf_config.text_config.vocab_size)
     if config.max_image_tokens:
         max_image_tokens = config.max_image_tokens
     elif processing.fixed_tokens is not None:  # LLaVA-1.5: every image the same, no cap needed

@@ -14,6 +14,8 @@ import PIL.Image
 from mm_engine.chat_messages import text_chars, to_template_messages
 from mm_engine.models.interface import Processing
 from mm_engine.request import ImageSpan
+from mm_engine.sampling_params import SamplingParams
+from mm_engine.structured_output import Grammars
 from mm_engine.vision.image_io import ImageLimits, decode_data_url, load_image
 
 
@@ -32,6 +34,13 @@ class InputProcessor:
         self.chat_template = chat_template
         self.limits = limits or ImageLimits()
         self.max_prompt_chars: int | None = None  # set by the engine from max_model_len
+        self.grammars: Grammars | None = None  # set by the frontend: to check structured outputs
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached), so a spec that cannot be compiled is refused
+        here, with a ValueError naming it, and not after the engine has taken the request."""
+        if params.structured_outputs is not None and self.grammars is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def check_length(self, chars: int) -> None:
         """Refuse a prompt whose text alone cannot fit, before tokenizing it (a 4 MB prompt took

@@ -7,7 +7,9 @@ device: one padded id tensor per kind, no loop over the vocabulary.
 - repetition_penalty r: a token seen in the prompt or the output has its logit divided by r when
   positive, multiplied by r when not;
 - frequency_penalty f and presence_penalty p: a token's logit loses f times its count in the
-  output, and p once it is there.
+  output, and p once it is there;
+- structured output: tokens the request's grammar does not allow next get -inf (last, so that no
+  bias can bring one back).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from mm_engine.host_copy import to_device
 from mm_engine.sampling_params import SamplingParams
+from mm_engine.structured_output import apply_bitmask, fill_allowed
 
 
 @dataclass(slots=True)
@@ -29,13 +32,28 @@ class RowContext:
     output_ids: list[int]
     num_output: int
     stop_ids: frozenset[int]  # EOS and stop_token_ids
+    allowed: torch.Tensor | None = None  # a grammar's bitmask of the tokens allowed next (xgrammar's)
 
     @classmethod
     def of(cls, token_ids: list[int], num_prompt: int, stop_ids: frozenset[int], params: SamplingParams):
-        if not params.needs_history:
+        if not params.penalised:
             return cls([], [], len(token_ids) - num_prompt, stop_ids)
         prompt = token_ids[:num_prompt] if params.repetition_penalty != 1.0 else []
         return cls(prompt, token_ids[num_prompt:], len(token_ids) - num_prompt, stop_ids)
+
+
+def row_contexts(reqs: list, vocab_size: int) -> list[RowContext] | None:
+    """What the adjustments of these requests' rows read, where any row has one (None: none)."""
+    if not any(r.params.adjusts_logits for r in reqs):
+        return None
+    rows = [
+        RowContext.of(
+            r.token_ids, r.num_prompt_tokens, r.eos_token_ids | set(r.params.stop_token_ids), r.params
+        )
+        for r in reqs
+    ]
+    fill_allowed(reqs, rows, vocab_size)
+    return rows
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], rows: list[RowContext]) -> torch.Tensor:
@@ -56,7 +74,12 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], rows: list
     if masked:
         r, t = zip(*masked, strict=True)
         logits[to_device(r, torch.long, dev), to_device(t, torch.long, dev)] = float("-inf")
-    penalised = [i for i, p in enumerate(params) if p.needs_history]
+    constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if constrained:
+        sub = logits[constrained]
+        apply_bitmask(sub, torch.stack([rows[i].allowed for i in constrained]))
+        logits[to_device(constrained, torch.long, dev)] = sub
+    penalised = [i for i, p in enumerate(params) if p.penalised]
     if penalised:
         logits[to_device(penalised, torch.long, dev)] = _penalise(
             logits[penalised], [params[i] for i in penalised], [rows[i] for i in penalised]

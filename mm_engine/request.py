@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,6 +73,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # its GrammarState (structured output), once compiled
     # Multimodal rotary positions of the prompt ([3, prompt tokens], Qwen line), set once when the
     # request is added; token i >= the prompt sits at i + mrope_delta on all three axes.
     mrope_positions: torch.Tensor | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,39 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far: text and token ids from the start (copies grow per step)
     DELTA = 1  # only what is new since the request's previous output
     FINAL_ONLY = 2  # no output until the request finishes; then everything
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """Constrain the output to a grammar (vLLM's `StructuredOutputsParams`): exactly one of these."""
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's dialect of GBNF)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): what a compiled grammar is cached by. ValueError unless one is set."""
+        kinds = [k for k, v in (("json", self.json), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar)) if v is not None]  # fmt: skip
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {', '.join(kinds) or 'none'}")  # fmt: skip
+        kind = kinds[0]
+        if kind == "json":
+            return kind, self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+        if kind == "choice":
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            return kind, _json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        value = getattr(self, kind)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        return kind, value
 
 
 @dataclass(slots=True)
@@ -35,6 +69,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this once a token is in the output
     min_p: float = 0.0  # after temperature: tokens below min_p times the top probability go
     logprobs: int | None = None  # the sampled token's logprob and this many top ones (0 to 20)
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +110,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         if self.logprobs is not None and not (_integer(self.logprobs) and 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError("structured_outputs must be a StructuredOutputs")
+            self.structured_outputs.key()
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:
@@ -93,9 +132,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def needs_history(self) -> bool:
-        """Whether sampling reads the tokens generated so far (the penalties do)."""
+    def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (the penalties and a grammar do)."""
+        return self.penalised or self.structured_outputs is not None
 
     @property
     def adjusts_logits(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     CLIPImageProcessor,
     CLIPVisionConfig,
@@ -105,6 +105,31 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     return fast
 
 
+def build_bytelevel_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2's scheme) trained on WORDS and some JSON: every string has tokens, so
+    grammars (JSON, regex) can be followed, unlike the word-level tokenizers. `vocab_size` pads
+    it with filler words `w<N>`, for a grammar's per-token work at a real vocabulary's size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    json_bits = [
+        '{"caption": "a red circle", "tags": ["red", "circle"], "count": 2}',
+        "[1, 2, 3] true false null",
+    ]
+    corpus = [" ".join(WORDS)] * 4 + json_bits * 4 + [w.upper() + ":" for w in ("user", "assistant")]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<unk>", "<s>", "</s>", "<image>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(corpus, trainer=trainer)
+    if vocab_size is not None and vocab_size > tok.get_vocab_size():
+        tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )  # fmt: skip
+
+
 def word_tokenizer(
     special: list[str], extra_words: str, vocab_size: int | None = None, **tokens
 ) -> PreTrainedTokenizerFast:
@@ -159,11 +184,13 @@ def build_checkpoint(
     vocab_size: int | None = None,
     weight_scale: float = 4.0,
     dtype: torch.dtype = torch.float32,
+    byte_level: bool = False,
 ) -> Path:
     """A random LLaVA checkpoint; tiny by default. `vision_dims` / `text_dims` override the towers'
-    sizes (hidden_size, intermediate_size, num_hidden_layers, heads, ...) for benchmark models."""
+    sizes (hidden_size, intermediate_size, num_hidden_layers, heads, ...) for benchmark models.
+    `byte_level`: a byte-level BPE tokenizer instead of the word-level one (structured output)."""
     path = Path(path)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_bytelevel_tokenizer(vocab_size) if byte_level else build_tokenizer(vocab_size)
     vocab = len(tokenizer)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     vdims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2)

@@ -220,7 +220,7 @@ def test_http_health_head_request_id_empty_content_and_blank_caption_prompt(clip
     "extra",
     [
         {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-        {"response_format": {"type": "json_object"}},
+        {"tool_choice": "auto"},
         {"n": 2},
         {"top_logprobs": 2},
     ],
