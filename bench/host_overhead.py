@@ -70,7 +70,7 @@ def measure(model: str, batch: int, steps: int, device: str) -> dict:
     _timed(core.scheduler, "schedule", timers, "schedule", sync)
     _timed(core.runner, "prepare", timers, "prepare", sync)
     _timed(core.runner, "forward", timers, "forward", sync)
-    _timed(core.sampler, "sample", timers, "sample", sync)
+    _timed(core.sampler, "sample_tensor", timers, "sample", sync)
     _timed(engine.output, "process", timers, "frontend_output", sync)
     core_total = 0.0
     step = core.step

@@ -177,7 +177,7 @@ def _profile(engine) -> dict[str, float]:
     runner.execute = execute_split
     timed(runner, "_encode_images", "vision")
     timed(engine.scheduler, "schedule", "scheduling")
-    timed(engine.sampler, "sample", "sampling")
+    timed(engine.sampler, "sample_tensor", "sampling")
     timed(engine.inputs, "process", "input processing")
     timed(engine.output, "process", "detokenization")  # text, stop strings, outputs
     return timers
