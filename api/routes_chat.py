@@ -36,16 +36,14 @@ from mm_engine.api.openai_schemas import (
     TopLogprob,
 )
 from mm_engine.api.routes_common import error_responses, require_content_type
-from mm_engine.api.schemas import usage_of
-from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
+from mm_engine.api.schemas import Usage, sum_usage, usage_of
+from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
 from mm_engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
-    if body.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     for name in ("tools", "tool_choice"):
@@ -127,14 +125,19 @@ async def create_chat_completion(
     if data.min_tokens:
         set_min_tokens(params, data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
+    params.n = data.n
+    streams = [
+        ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", data.priority, arrival)
+        for j, child in enumerate(params.children())
+    ]
     head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage),
                  (data.top_logprobs or 0) if data.logprobs else None)  # fmt: skip
     with client_errors(None):
         if not data.stream:
-            return head.response(await ctx.run(request, last_output(gen)))
-        first = await ctx.run(request, anext(gen))
-    return sse_response(_events(ctx, head, first, gen))
+            return head.response(await ctx.run(request, all_last(streams)))
+        merge = merged(streams)
+        first = await ctx.run(request, anext(merge))
+    return sse_response(_events(ctx, head, first, merge, data.n))
 
 
 class _Head:
@@ -142,17 +145,22 @@ class _Head:
         self.rid, self.created, self.model, self.include_usage = rid, created, model, include_usage
         self.top = top  # top_logprobs per token; None: no logprobs
 
-    def response(self, out: RequestOutput) -> ChatCompletionResponse:
-        c = out.outputs[0]
-        choice = ChatChoice(0, AssistantMessage(c.text), c.finish_reason, self.logprobs(c, out.finished))
-        return ChatCompletionResponse(self.rid, self.created, self.model, [choice], usage_of(out))
+    def response(self, outs: list[RequestOutput]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(j, AssistantMessage(o.outputs[0].text), o.outputs[0].finish_reason,
+                       self.logprobs(o.outputs[0], o.finished))
+            for j, o in enumerate(outs)
+        ]  # fmt: skip
+        usage = sum_usage([usage_of(o) for o in outs], len(outs))
+        return ChatCompletionResponse(self.rid, self.created, self.model, choices, usage)
 
     def chunk(
-        self, delta: DeltaMessage, finish_reason: str | None = None, logprobs: ChoiceLogprobs | None = None
-    ) -> bytes:
+        self, delta: DeltaMessage, finish_reason: str | None = None, logprobs: ChoiceLogprobs | None = None,
+        index: int = 0,
+    ) -> bytes:  # fmt: skip
         return sse(
             ChatCompletionChunk(
-                self.rid, self.created, self.model, [ChunkChoice(0, delta, finish_reason, logprobs)],
+                self.rid, self.created, self.model, [ChunkChoice(index, delta, finish_reason, logprobs)],
                 None if self.include_usage else UNSET,
             )
         )  # fmt: skip
@@ -167,32 +175,38 @@ class _Head:
             entries = entries[:-1]
         return ChoiceLogprobs([_token_logprob(e, self.top) for e in entries])
 
-    def usage_chunk(self, out: RequestOutput, completion_tokens: int) -> bytes:
-        usage = usage_of(out, completion_tokens)
-        return sse(ChatCompletionChunk(self.rid, self.created, self.model, [], usage))
+    def usage_chunk(self, usages: list[Usage]) -> bytes:
+        return sse(
+            ChatCompletionChunk(self.rid, self.created, self.model, [], sum_usage(usages, len(usages)))
+        )
 
 
 async def _events(
-    ctx: ServerContext, head: _Head, first: RequestOutput, gen: AsyncIterator[RequestOutput]
+    ctx: ServerContext, head: _Head, first: tuple[int, RequestOutput], merge: AsyncIterator, n: int
 ) -> AsyncIterator[bytes]:
+    """The choices' chunks as they come (`first` taken already, so an early error was a status)."""
     try:
-        yield head.chunk(DeltaMessage(role="assistant", content=""))
-        out, generated = first, 0
+        for j in range(n):
+            yield head.chunk(DeltaMessage(role="assistant", content=""), index=j)
+        generated, usages, item = [0] * n, {}, first
         while True:
-            generated += len(out.outputs[0].token_ids)  # outputs are deltas
+            j, out = item
+            generated[j] += len(out.outputs[0].token_ids)  # outputs are deltas
             logprobs = head.logprobs(out.outputs[0], out.finished)
             if out.delta_text or out.finished or (logprobs is not None and logprobs.content):
                 reason = out.outputs[0].finish_reason if out.finished else None
-                yield head.chunk(DeltaMessage(content=out.delta_text or None), reason, logprobs)
+                yield head.chunk(DeltaMessage(content=out.delta_text or None), reason, logprobs, j)
             if out.finished:
-                break
-            out = await anext(gen)
+                usages[j] = usage_of(out, generated[j])
+                if len(usages) == n:
+                    break
+            item = await anext(merge)
         if head.include_usage:
-            yield head.usage_chunk(out, generated)
+            yield head.usage_chunk([usages[j] for j in range(n)])
     except Exception as exc:  # the status line is gone already: report it in the stream
         yield error_event(exc, ctx.settings.retry_after_seconds)
     finally:
-        await gen.aclose()  # no-op when finished; aborts the request when the client left
+        await merge.aclose()  # no-op when finished; aborts the requests when the client left
     yield DONE
 
 

@@ -3,7 +3,6 @@ not), and vLLM's `POST /tokenize` and `POST /detokenize`."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -31,14 +30,12 @@ from mm_engine.api.limits import fit_max_tokens, request_params, set_min_tokens,
 from mm_engine.api.openai_schemas import ChatMessage
 from mm_engine.api.routes_chat import to_engine_messages
 from mm_engine.api.routes_common import error_responses, require_content_type
-from mm_engine.api.schemas import Usage, usage_of
-from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
+from mm_engine.api.schemas import Usage, sum_usage, usage_of
+from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
 from mm_engine.outputs import CompletionOutput, RequestOutput
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
-    if body.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
     if body.best_of not in (None, 1):
         raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
     if body.suffix is not UNSET and body.suffix is not None:
@@ -90,6 +87,7 @@ async def create_completion(
     _refuse_unsupported(data)
     prompts = _prompts(data.prompt)
     base = request_params(data, settings, data.logprobs, structured_outputs_of(data))
+    base.n = data.n
     ctx.llm.check_admission()
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens, inputs_all = [], []
@@ -103,15 +101,17 @@ async def create_completion(
                        settings, "max_tokens", "prompt")  # fmt: skip
         if data.min_tokens:
             set_min_tokens(params, data.min_tokens)
-        inputs_all.append(inputs)
-        gens.append((inputs, params))
-    echo = [await _echo_text(ctx, inputs) if data.echo else "" for inputs in inputs_all]
+        echoed = await _echo_text(ctx, inputs) if data.echo else ""
+        for child in params.children():  # choice index: prompt i's sample j is i * n + j
+            inputs_all.append(echoed)
+            gens.append((inputs, child))
+    echo = inputs_all
     streams = [ctx.llm.generate(x, p, f"{rid}-{i}", data.priority, arrival) for i, (x, p) in enumerate(gens)]
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
-    head = _Head(rid, int(arrival), model, include_usage, echo, data.logprobs)
+    head = _Head(rid, int(arrival), model, include_usage, echo, data.logprobs, data.n)
     with client_errors(None):
         if not data.stream:
-            outs = await ctx.run(request, asyncio.gather(*(last_output(g) for g in streams)))
+            outs = await ctx.run(request, all_last(streams))
             if data.logprobs is not None:
                 head.offsets = [
                     await _token_offsets(ctx, out.outputs[0].token_ids, len(e))
@@ -140,10 +140,12 @@ async def _echo_text(ctx: ServerContext, inputs) -> str:
 
 class _Head:
     def __init__(
-        self, rid: str, created: int, model: str, include_usage: bool, echo: list[str], top: int | None
-    ) -> None:
+        self, rid: str, created: int, model: str, include_usage: bool, echo: list[str], top: int | None,
+        n: int,
+    ) -> None:  # fmt: skip
         self.rid, self.created, self.model = rid, created, model
         self.include_usage, self.echo, self.top = include_usage, echo, top
+        self.n = n  # samples per prompt
         # Per choice: each token's text_offset (not streamed), or the text's length so far (streamed).
         self.offsets: list = [len(e) for e in echo]
 
@@ -153,7 +155,7 @@ class _Head:
                              self.logprobs(i, o.outputs[0], True))
             for i, o in enumerate(outs)
         ]  # fmt: skip
-        usage = _sum_usage([usage_of(o) for o in outs])
+        usage = sum_usage([usage_of(o) for o in outs], self.n)
         return CompletionResponse(self.rid, self.created, self.model, choices, usage)
 
     def logprobs(self, i: int, c: CompletionOutput, finished: bool) -> CompletionLogprobs | None:
@@ -180,43 +182,18 @@ class _Head:
         return sse(CompletionChunk(self.rid, self.created, self.model, [choice], usage))
 
 
-def _sum_usage(usages: list[Usage]) -> Usage:
-    p, c = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
-    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
-    return Usage(p, c, p + c, type(usages[0].prompt_tokens_details)(cached))
-
-
 async def _events(
     ctx: ServerContext, head: _Head, streams: list[AsyncIterator[RequestOutput]]
 ) -> AsyncIterator[bytes]:
-    """Every prompt's stream, merged in the order the outputs come."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in gen:
-                await queue.put((i, out))
-        except Exception as exc:  # reported in the stream, below
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(streams)]
-    usage: list[Usage] = []
+    """Every choice's stream, merged in the order the outputs come."""
+    usage: dict[int, Usage] = {}
     generated = [0] * len(streams)
+    merge = merged(streams)
     try:
         for i, e in enumerate(head.echo):
             if e:
                 yield head.chunk(i, e, None, None)
-        left = len(streams)
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-                continue
-            if isinstance(item, Exception):
-                raise item
-            out: RequestOutput = item
+        async for i, out in merge:
             generated[i] += len(out.outputs[0].token_ids)  # outputs are deltas
             logprobs = head.logprobs(i, out.outputs[0], out.finished)
             if out.delta_text or out.finished or (logprobs is not None and logprobs.tokens):
@@ -224,16 +201,14 @@ async def _events(
                 yield head.chunk(i, out.delta_text, reason, logprobs)
             head.offsets[i] += len(out.delta_text)
             if out.finished:
-                usage.append(usage_of(out, generated[i]))
+                usage[i] = usage_of(out, generated[i])
         if head.include_usage and usage:
-            yield sse(CompletionChunk(head.rid, head.created, head.model, [], _sum_usage(usage)))
+            total = sum_usage([usage[i] for i in sorted(usage)], head.n)
+            yield sse(CompletionChunk(head.rid, head.created, head.model, [], total))
     except Exception as exc:  # the status line is gone already: report it in the stream
         yield error_event(exc, ctx.settings.retry_after_seconds)
     finally:
-        for task in tasks:
-            task.cancel()
-        for gen in streams:
-            await gen.aclose()  # aborts what is still running (the client left, or one failed)
+        await merge.aclose()  # aborts what is still running (the client left, or one failed)
     yield DONE
 
 

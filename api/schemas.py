@@ -40,6 +40,15 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+def sum_usage(usages: list[Usage], n: int = 1) -> Usage:
+    """Several requests' usage as one, as OpenAI counts it: `usages` in choice order, `n` samples
+    per prompt, whose prompt counts once (prompt i's sample j is choice i * n + j)."""
+    firsts = usages[::n]
+    p, c = sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in firsts if u.prompt_tokens_details)
+    return Usage(p, c, p + c, PromptTokensDetails(cached))
+
+
 def usage_of(out: RequestOutput, completion_tokens: int | None = None) -> Usage:
     """Usage of a finished request; `completion_tokens` where `out` is a delta."""
     p = len(out.prompt_token_ids)

@@ -62,6 +62,48 @@ async def last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Several requests' outputs as they come, each with its stream's index; the first error is
+    raised. Closing it closes every stream (which aborts what still runs)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # a generator cannot close while running
+        for gen in streams:
+            await gen.aclose()
+
+
+async def all_last(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Every stream's final output, in order; closing early (an error, a disconnect) aborts all."""
+    outs: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merged(streams):
+        if out.finished:
+            outs[i] = out
+    return outs
+
+
 def sse(obj: object) -> bytes:
     return b"data: " + encoder.encode(obj) + b"\n\n"
 

@@ -45,8 +45,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        adds = [functools.partial(self.engine.add_request, prompt) for prompt in prompts]
-        return self._run(adds, sampling_params, priority)
+        inputs = [functools.partial(self.engine.inputs.process, prompt) for prompt in prompts]
+        return self._run(inputs, sampling_params, priority)
 
     def chat(
         self,
@@ -61,23 +61,22 @@ class LLM:
             kind = type(messages).__name__
             raise ValueError(f"messages must be a list of message dicts (or of such lists), got {kind}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        adds = [
-            functools.partial(self.engine.add_chat_request, conv, mm_processor_kwargs=mm_processor_kwargs)
-            for conv in convs
-        ]
-        return self._run(adds, sampling_params, priority)
+        inputs = [functools.partial(self.engine.inputs.chat, conv, mm_processor_kwargs) for conv in convs]
+        return self._run(inputs, sampling_params, priority)
 
     def kv_report(self) -> dict[str, dict[str, int]]:
         """Per pool (`"text"`, `"image"`): total, used and free blocks, allocated and filled slots."""
         return self.engine.kv_report()
 
-    def _run(self, adds: list, sampling_params, priority) -> list[RequestOutput]:
-        n = len(adds)
+    def _run(self, inputs: list, sampling_params, priority) -> list[RequestOutput]:
+        """`inputs`: per prompt, what processes it (text, ids, images). A prompt whose params ask for
+        `n` samples becomes n requests (processed once), merged into one output of n choices."""
+        n = len(inputs)
         params = self._per_request(sampling_params or SamplingParams(), n, "sampling_params")
         # Only the finished outputs are returned: no per-step copies of what is generated so far.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         prios = self._per_request(priority if priority is not None else 0, n, "priority")
-        ids: list[str] = []
+        groups: list[list[str]] = []
         finals: dict[str, RequestOutput] = {}
 
         def step() -> None:
@@ -85,24 +84,31 @@ class LLM:
                 if out.finished:
                     finals[out.request_id] = out
 
+        def add(processed, sp: SamplingParams, rid: str | None, pr: int) -> str:
+            while True:
+                try:
+                    return self.engine.add_processed(*processed, sp, rid, pr)
+                except QueueFullError:
+                    # Offline, a full waiting queue only means "not yet": run a step to make room.
+                    if not self.engine.has_unfinished():
+                        raise
+                    step()
+
         try:
-            for add, sp, pr in zip(adds, params, prios, strict=True):
-                while True:
-                    try:
-                        ids.append(add(sp, priority=pr))
-                        break
-                    except QueueFullError:
-                        # Offline, a full waiting queue only means "not yet": run a step to make room.
-                        if not self.engine.has_unfinished():
-                            raise
-                        step()
-            while len(finals) < n:
+            for process, sp, pr in zip(inputs, params, prios, strict=True):
+                self.engine.inputs.check_structured_outputs(sp)
+                processed = process()
+                group: list[str] = []
+                groups.append(group)
+                for j, child in enumerate(sp.children()):
+                    group.append(add(processed, child, None if j == 0 else f"{group[0]}-{j}", pr))
+            while len(finals) < sum(len(g) for g in groups):
                 step()
         except BaseException:
-            for rid in ids:  # a bad prompt in the list, or Ctrl-C: nothing of this call stays queued
+            for rid in (r for g in groups for r in g):  # a bad prompt, or Ctrl-C: nothing stays queued
                 self.engine.abort(rid)
             raise
-        return [finals[rid] for rid in ids]
+        return [_merge([finals[rid] for rid in group]) for group in groups]
 
     @staticmethod
     def _per_request(value: Any, n: int, name: str) -> list:
@@ -119,3 +125,11 @@ class LLM:
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise ValueError(f"{name}[{i}] must be {what}, got {type(v).__name__}")
         return value
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """The n samples of one prompt as one output with n choices (indexed 0 .. n-1)."""
+    if len(outs) == 1:
+        return outs[0]
+    choices = [dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+    return dataclasses.replace(outs[0], outputs=choices)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json as _json
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 
 
 class RequestOutputKind(enum.Enum):
@@ -50,6 +51,7 @@ class StructuredOutputs:
 
 @dataclass(slots=True)
 class SamplingParams:
+    n: int = 1  # independent samples of the prompt (its KV blocks shared through the prefix cache)
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: no top-k cut
@@ -82,7 +84,17 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
+    def children(self) -> list[SamplingParams]:
+        """The `n` samples as requests of their own (n=1 each); with a seed, sample i uses seed + i,
+        so every choice is reproducible."""
+        if self.n == 1:
+            return [self]
+        seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**64 for i in range(self.n)]
+        return [_replace(self, n=1, seed=s) for s in seeds]
+
     def validate(self) -> None:
+        if not _integer(self.n) or not 1 <= self.n <= 128:
+            raise ValueError(f"n must be an integer from 1 to 128, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
         if not _number(self.temperature) or not 0.0 <= self.temperature < float("inf"):  # NaN too

@@ -111,7 +111,7 @@ def test_tokenize_and_detokenize(served, offline):
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": [[1, 2], "x"]}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),

@@ -221,7 +221,7 @@ def test_http_health_head_request_id_empty_content_and_blank_caption_prompt(clip
     [
         {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
         {"tool_choice": "auto"},
-        {"n": 2},
+        {"tools": []},
         {"top_logprobs": 2},
     ],
 )
