@@ -140,3 +140,25 @@ def _healthy(base_url: str) -> bool:
         return httpx.get(base_url + "/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+@contextlib.contextmanager
+def served_in_process(path: str, **engine_args) -> Iterator[tuple]:
+    """The app on an in-process AsyncLLM: (the official openai client, the raw HTTP client), both
+    on Litestar's test client; the engine is shut down afterwards."""
+    import asyncio
+
+    import openai
+    from litestar.testing import TestClient
+
+    from mm_engine.api.app import create_app
+    from mm_engine.api.settings import ServerSettings
+    from mm_engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(path, **engine_args)
+    try:
+        with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as http:
+            base = str(http.base_url) + "/v1"
+            yield openai.OpenAI(base_url=base, api_key="x", http_client=http, max_retries=0), http
+    finally:
+        asyncio.run(llm.shutdown())

@@ -4,16 +4,10 @@ not, for strings, token ids and batches; logprobs in the legacy shape; bad input
 
 from __future__ import annotations
 
-import asyncio
-
-import openai
 import pytest
-from litestar.testing import TestClient
+from api_helpers import served_in_process
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.api.app import create_app
-from mm_engine.api.settings import ServerSettings
-from mm_engine.async_llm import AsyncLLM
 
 KW = dict(kv_cache_memory_bytes=8 * 1024**2)
 PROMPTS = ["USER: what is red ASSISTANT:", "USER: describe the circle ASSISTANT:"]
@@ -21,13 +15,8 @@ PROMPTS = ["USER: what is red ASSISTANT:", "USER: describe the circle ASSISTANT:
 
 @pytest.fixture(scope="module")
 def served(clip_llama):
-    llm = AsyncLLM.from_engine_args(clip_llama, **KW)
-    with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as http:
-        client = openai.OpenAI(
-            base_url=str(http.base_url) + "/v1", api_key="x", http_client=http, max_retries=0
-        )
+    with served_in_process(clip_llama, **KW) as (client, http):
         yield client, http
-    asyncio.run(llm.shutdown())
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ through the engine, also with async scheduling (where a penalty waits for the st
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -125,23 +123,14 @@ def test_penalised_tokens_are_the_same_with_async_scheduling(clip_llama):
 
 
 def test_the_openai_client_sends_them_and_gets_the_offline_answer(clip_llama):
-    import openai
-    from litestar.testing import TestClient
-
-    from mm_engine.api.app import create_app
-    from mm_engine.api.settings import ServerSettings
-    from mm_engine.async_llm import AsyncLLM
+    from api_helpers import served_in_process
 
     kw = dict(kv_cache_memory_bytes=8 * 1024**2)
     messages = [{"role": "user", "content": "bottom bottom"}]
     params = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
                             repetition_penalty=1.2, logit_bias={5: -100.0, 7: 4.0}, min_tokens=3)  # fmt: skip
     want = LLM(clip_llama, **kw).chat(messages, params)[0].outputs[0].text
-    llm = AsyncLLM.from_engine_args(clip_llama, **kw)
-    with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as http:
-        client = openai.OpenAI(
-            base_url=str(http.base_url) + "/v1", api_key="x", http_client=http, max_retries=0
-        )
+    with served_in_process(clip_llama, **kw) as (client, http):
         got = client.chat.completions.create(
             model="m", messages=messages, max_tokens=12, temperature=0, frequency_penalty=1.5,
             presence_penalty=0.5, logit_bias={"5": -100, "7": 4},
@@ -154,4 +143,3 @@ def test_the_openai_client_sends_them_and_gets_the_offline_answer(clip_llama):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
         far = http.post("/v1/chat/completions", json={"messages": messages, "logit_bias": {"9999999": 1}})
         assert far.status_code == 400 and "logit_bias token" in far.json()["error"]["message"]
-    asyncio.run(llm.shutdown())

@@ -4,18 +4,12 @@ async scheduling; and in OpenAI's shape through the official client, streamed an
 
 from __future__ import annotations
 
-import asyncio
-
-import openai
 import pytest
 import torch
+from api_helpers import served_in_process
 from conftest import make_image
-from litestar.testing import TestClient
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.api.app import create_app
-from mm_engine.api.settings import ServerSettings
-from mm_engine.async_llm import AsyncLLM
 
 PROMPT = "USER: <image> what is this ASSISTANT:"
 KW = dict(kv_cache_memory_bytes=8 * 1024**2)
@@ -72,11 +66,8 @@ def test_logprobs_are_the_same_with_async_scheduling_and_in_deltas(clip_llama):
 
 
 def test_the_openai_client_gets_logprobs_streamed_and_not(clip_llama):
-    llm = AsyncLLM.from_engine_args(clip_llama, **KW)
     messages = [{"role": "user", "content": "what is red"}]
-    with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as http:
-        base = str(http.base_url) + "/v1"
-        client = openai.OpenAI(base_url=base, api_key="x", http_client=http, max_retries=0)
+    with served_in_process(clip_llama, **KW) as (client, http):
         kw = dict(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
         full = client.chat.completions.create(**kw)
         content = full.choices[0].logprobs.content
@@ -106,7 +97,6 @@ def test_the_openai_client_gets_logprobs_streamed_and_not(clip_llama):
             "/v1/chat/completions", json={"messages": messages, "logprobs": True, "top_logprobs": 21}
         )
         assert bad.status_code == 400
-    asyncio.run(llm.shutdown())
 
 
 def test_logprobs_cross_from_the_core_process(clip_llama):

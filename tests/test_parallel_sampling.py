@@ -4,17 +4,11 @@ n choices, over HTTP n choices (streamed by index), usage counting the prompt on
 
 from __future__ import annotations
 
-import asyncio
-
-import openai
 import pytest
+from api_helpers import served_in_process
 from conftest import make_image
-from litestar.testing import TestClient
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.api.app import create_app
-from mm_engine.api.settings import ServerSettings
-from mm_engine.async_llm import AsyncLLM
 
 KW = dict(kv_cache_memory_bytes=8 * 1024**2, block_size=8)
 PROMPT = {"prompt": "USER: <image> describe the picture in many words ASSISTANT:",
@@ -42,11 +36,8 @@ def test_n_samples_share_the_prompt_and_each_is_reproducible(clip_llama):
 
 
 def test_n_over_http(clip_llama):
-    llm = AsyncLLM.from_engine_args(clip_llama, **KW)
     messages = [{"role": "user", "content": "what is red"}]
-    with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as http:
-        base = str(http.base_url) + "/v1"
-        client = openai.OpenAI(base_url=base, api_key="x", http_client=http, max_retries=0)
+    with served_in_process(clip_llama, **KW) as (client, http):
         kw = dict(model="m", messages=messages, max_tokens=5, temperature=0.9, seed=3)
         one = client.chat.completions.create(**kw)
         r = client.chat.completions.create(**kw, n=3)
@@ -64,7 +55,6 @@ def test_n_over_http(clip_llama):
         assert [c.index for c in cmpl.choices] == [0, 1, 2, 3]
         alone = client.completions.create(model="m", prompt=two[1], max_tokens=4, temperature=0.9, seed=2)
         assert cmpl.choices[3].text == alone.choices[0].text  # prompt 1, sample 1: seed + 1
-    asyncio.run(llm.shutdown())
 
 
 def test_n_is_validated():

@@ -5,18 +5,13 @@ async scheduling; bad specs are refused by name; and through the official openai
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
-import openai
 import pytest
-from litestar.testing import TestClient
+from api_helpers import served_in_process
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.api.app import create_app
-from mm_engine.api.settings import ServerSettings
-from mm_engine.async_llm import AsyncLLM
 from mm_engine.sampling_params import StructuredOutputs
 from mm_engine.testing import build_checkpoint
 
@@ -105,12 +100,9 @@ def test_bad_specs_are_refused_by_name(bytelevel):
 
 
 def test_the_openai_client_gets_schema_valid_json(bytelevel):
-    llm = AsyncLLM.from_engine_args(bytelevel, **KW)
     messages = [{"role": "user", "content": "describe it"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "caption", "schema": SCHEMA, "strict": True}}
-    with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as http:
-        base = str(http.base_url) + "/v1"
-        client = openai.OpenAI(base_url=base, api_key="x", http_client=http, max_retries=0)
+    with served_in_process(bytelevel, **KW) as (client, http):
         for seed in range(3):
             r = client.chat.completions.create(model="m", messages=messages, max_tokens=120, temperature=0.9,
                                                seed=seed, response_format=fmt)  # fmt: skip
@@ -135,4 +127,3 @@ def test_the_openai_client_gets_schema_valid_json(bytelevel):
             assert bad.status_code == 400, bad.text
             if param is not None:
                 assert bad.json()["error"]["param"] == param
-    asyncio.run(llm.shutdown())
