@@ -27,7 +27,7 @@ from typing import Any
 
 from mm_engine.caption_inputs import CaptionInput, check_output, discover, in_shard, parse_shard
 from mm_engine.caption_report import CaptionSummary, Tally, progress_mode
-from mm_engine.sampling_params import SamplingParams
+from mm_engine.sampling_params import SamplingParams, StructuredOutputs
 from mm_engine.sched.scheduler import QueueFullError
 from mm_engine.vision.image_io import load_image
 
@@ -55,6 +55,9 @@ class Captioner:
         self.inputs = self.engine.inputs
         self.params = params or SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=0.0)
         self.params.validate()
+        self.inputs.check_structured_outputs(self.params)  # a schema that cannot work fails the job now
+        so = self.params.structured_outputs
+        self.parse_json = so is not None and (so.json is not None or so.json_object)
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         self.workers = workers
@@ -140,7 +143,7 @@ class Captioner:
                     if self.engine.has_unfinished():
                         for out in self.engine.step():
                             if out.finished and out.request_id in live:
-                                yield caption_record(*live.pop(out.request_id), out)
+                                yield caption_record(*live.pop(out.request_id), out, self.parse_json)
             finally:  # stopped early (an error, Ctrl-C, the caller closed us): leave the engine clean
                 for _, _, future in pending:
                     future.cancel()
@@ -148,9 +151,9 @@ class Captioner:
                     self.engine.abort(rid)
 
 
-def caption_record(inp: CaptionInput, prompt: str, out) -> dict:
+def caption_record(inp: CaptionInput, prompt: str, out, parse_json: bool = False) -> dict:
     c = out.outputs[0]
-    return {
+    rec = {
         "id": inp.id,
         "image": inp.image,
         "prompt": prompt,
@@ -159,6 +162,13 @@ def caption_record(inp: CaptionInput, prompt: str, out) -> dict:
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(c.token_ids),
     }
+    if parse_json:  # --json-schema: the parsed object too (the grammar made it valid, unless cut short)
+        try:
+            rec["json"] = json.loads(c.text, strict=False)
+        except json.JSONDecodeError:
+            rec["json"] = None
+            rec["json_error"] = f"the caption is not complete JSON (finish_reason {c.finish_reason})"
+    return rec
 
 
 def error_record(inp: CaptionInput, message: str) -> dict:
@@ -184,6 +194,7 @@ def caption_images(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    json_schema: dict | str | os.PathLike | None = None,
     resume: bool = False,
     overwrite: bool = False,
     workers: int = 4,
@@ -196,7 +207,9 @@ def caption_images(
     file `out`; return the summary. The same code runs `mm-engine caption`.
 
     `seed` seeds the engine and every request's sampler, so a sampled caption (temperature > 0)
-    does not depend on the batch, shard or resumed run it fell in. `llm`: an `LLM` already loaded
+    does not depend on the batch, shard or resumed run it fell in. `json_schema` (a dict, or the
+    path of a JSON file): every caption follows it, and each line gets the parsed object as "json".
+    `llm`: an `LLM` already loaded
     (then `model` and `engine_args` are not used). `progress`: "auto" (a bar on a terminal, log
     lines otherwise), "bar", "log" or "none". Raises ValueError/OSError when the job cannot run;
     a bad image is an error line, never an exception.
@@ -208,7 +221,8 @@ def caption_images(
         raise ValueError(f"workers must be at least 1, got {workers}")
     specs = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
     shard_spec = parse_shard(shard)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                            structured_outputs=_schema_outputs(json_schema))  # fmt: skip
     mode = progress_mode(progress)
     selected = [inp for inp in discover(specs) if in_shard(inp.id, shard_spec)]
     out_path = Path(out)
@@ -238,3 +252,16 @@ def caption_images(
             finally:
                 tally.close()
     return tally.summary(time.perf_counter() - start, loaded - start, str(out_path))
+
+
+def _schema_outputs(schema: dict | str | os.PathLike | None) -> StructuredOutputs | None:
+    if schema is None:
+        return None
+    if not isinstance(schema, dict):
+        try:
+            schema = json.loads(Path(schema).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema file {Path(schema).name} is not JSON: {exc.msg}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be a JSON object")
+    return StructuredOutputs(json=schema)

@@ -51,6 +51,10 @@ def _add_arguments(parser: argparse.ArgumentParser, add_engine_args) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--json-schema", default=None, metavar="SCHEMA.json",
+        help='captions follow this JSON schema; each line has the parsed object as "json"',
+    )  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="skip inputs already in --out, append the rest")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--workers", type=int, default=4, help="threads decoding and preprocessing images")
@@ -91,6 +95,7 @@ def run_caption(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
+            json_schema=args.json_schema,
             resume=args.resume,
             overwrite=args.overwrite,
             workers=args.workers,

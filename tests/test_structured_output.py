@@ -127,3 +127,29 @@ def test_the_openai_client_gets_schema_valid_json(bytelevel):
             assert bad.status_code == 400, bad.text
             if param is not None:
                 assert bad.json()["error"]["param"] == param
+
+
+def test_caption_json_schema_writes_the_parsed_object(bytelevel, tmp_path):
+    from conftest import make_image
+
+    from mm_engine.caption_cli import main
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(3):
+        make_image(i).save(folder / f"img{i}.png")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    out = tmp_path / "captions.jsonl"
+    argv = [str(folder), "--out", str(out), "--model", bytelevel, "--json-schema", str(schema),
+            "--max-tokens", "120", "--temperature", "0.9", "--progress", "none",
+            "--prompt", "USER: <image> describe it ASSISTANT:",
+            "--kv-cache-memory-bytes", str(8 * 1024**2)]  # fmt: skip
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        assert line["json"] == json.loads(line["caption"]) and _valid(line["json"])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "no such type"}')
+    assert main([*argv[:6], str(bad), *argv[7:], "--overwrite"]) == 2  # refused before any image
