@@ -18,12 +18,12 @@ from mm_engine.api.request_id import request_id_middleware
 from mm_engine.api.routes_caption import create_caption
 from mm_engine.api.routes_chat import create_chat_completion
 from mm_engine.api.routes_completions import create_completion, detokenize, tokenize
-from mm_engine.api.routes_misc import health, health_head, list_models, metrics, retrieve_model
+from mm_engine.api.routes_misc import health, health_head, list_models, metrics, playground, retrieve_model
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
 
 ROUTES = [create_caption, create_chat_completion, create_completion, tokenize, detokenize, list_models,
-          retrieve_model, health, health_head, metrics]  # fmt: skip
+          retrieve_model, health, health_head, metrics, playground]  # fmt: skip
 
 
 def create_app(

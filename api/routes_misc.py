@@ -1,8 +1,11 @@
-"""`GET /v1/models`, `GET /v1/models/{model}`, `GET /health`, `GET /metrics`."""
+"""`GET /v1/models`, `GET /v1/models/{model}`, `GET /health`, `GET /metrics`, and `GET /` (the
+playground page)."""
 
 from __future__ import annotations
 
-from litestar import Request, Response, get, head
+from pathlib import Path
+
+from litestar import MediaType, Request, Response, get, head
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -85,3 +88,18 @@ async def health_head(request: Request) -> Response[None]:
 )
 async def metrics(request: Request) -> Response[bytes]:
     return Response(get_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+_PLAYGROUND = Path(__file__).with_name("playground.html")
+# Only what the page itself carries: no external script, style, font or connection.
+_PLAYGROUND_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'"
+)
+
+
+@get("/", operation_id="playground", include_in_schema=False, media_type=MediaType.HTML)
+async def playground() -> Response[bytes]:
+    """The built-in playground: chat with images, streaming, TTFT and tokens/s, JSON mode."""
+    return Response(_PLAYGROUND.read_bytes(), media_type=MediaType.HTML,
+                    headers={"content-security-policy": _PLAYGROUND_CSP})  # fmt: skip
