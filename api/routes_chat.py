@@ -48,7 +48,8 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     for name in ("tools", "tool_choice"):
         if getattr(body, name) is not UNSET:
-            raise APIError(400, f"{name} is not supported yet", param=name, code="unsupported_parameter")
+            message = f"{name}: tool calling is not supported for this model (no tool-call parser yet)"
+            raise APIError(400, message, param=name, code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 

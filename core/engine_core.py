@@ -33,6 +33,7 @@ from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
 from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, kv_memory_bytes, split_blocks
 from mm_engine.pools.swap import HostSwap
+from mm_engine.prompt_logprobs import prompt_logprobs
 from mm_engine.request import Request
 from mm_engine.sampler import Sampler
 from mm_engine.sched.policy import make_policy
@@ -239,7 +240,10 @@ class EngineCore(OverlappedSteps):
         return StepFailedError(request_ids, self.device_lost)
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
-        logits, sampling = self.runner.execute(batch.items)
+        logits, sampling, prompt_rows = self.runner.execute(batch.items)
+        if prompt_rows:
+            prompt_logprobs(batch.items, prompt_rows, logits[len(sampling) :])
+            logits = logits[: len(sampling)]
         for req, n in batch.items:
             req.num_computed_tokens += n
             self.blocks.commit(req)
@@ -265,9 +269,11 @@ class EngineCore(OverlappedSteps):
 
     def _append(self, req: Request, token: int, now: float, lp: TokenLogprobs | None) -> CoreOutput:
         req.token_ids.append(token)
+        out = CoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
         if req.first_token_time is None:
             req.first_token_time = now
-        out = CoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs, req.prompt_logprobs = [None, *req.prompt_logprobs], []
         if lp is not None:
             out.logprobs = [lp]
         if req.grammar is not None:

@@ -30,6 +30,18 @@ class OverlappedSteps:
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
         batch = self._schedule()
+        if any(r.params.prompt_logprobs is not None and r.first_token_time is None for r, _ in batch.items):
+            # Prompt logprobs come from the plain step (its logits have extra rows): no overlap here.
+            if prev is not None:
+                outputs = self._collect_before(prev, batch, outputs)
+                batch.items = [(req, n) for req, n in batch.items if not req.is_finished]
+            if not batch.items:
+                return outputs
+            try:
+                return outputs + self._run(batch)
+            except Exception as exc:
+                self._carry = outputs
+                raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
         if prev is not None and any(req.params.needs_history for req, _ in batch.items):
             # A penalty reads the tokens so far: the previous step's must be on the host first.
             prev, outputs = None, self._collect_before(prev, batch, outputs)

@@ -47,3 +47,6 @@ class CoreOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked
+    # With the first token, where asked: per prompt position (None for the first, and for image
+    # positions, whose ids are placeholders), the logprob of that prompt token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

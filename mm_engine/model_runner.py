@@ -15,7 +15,7 @@ is still on the device (`PLACEHOLDER` in the request's ids): `prepare` notes whe
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,10 @@ class StepInputs:
     # Flat rows whose id is the previous step's sampled token, and that token's index among the
     # previous step's samples; None when no input is pending.
     from_prev: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Prompt logprobs: flat rows whose logits are wanted besides the sampled ones (after them in
+    # the logits), and per request (item, first prompt position, count) of those rows.
+    extra_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -67,9 +71,12 @@ class ModelRunner:
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
 
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[int]]:
-        """Returns logits `[len(sampling), vocab]` (float32) and the indices into `items` they belong to."""
-        return self.forward(self.prepare(items))
+    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[int], list]:
+        """Returns logits `[len(sampling) + prompt rows, vocab]`, the indices into `items` that
+        sample (the first rows of the logits), and the prompt-logprob rows after them."""
+        inputs = self.prepare(items)
+        logits, sampling = self.forward(inputs)
+        return logits, sampling, inputs.prompt_rows
 
     @torch.inference_mode()
     def prepare(self, items: list[tuple[Request, int]], pending: dict[str, int] | None = None) -> StepInputs:
@@ -90,6 +97,8 @@ class ModelRunner:
         flat_positions: list[int] = []  # 1-D rotary positions, built as one list (cheaper per row)
         prev_rows: list[int] = []
         prev_src: list[int] = []
+        extra_rows: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []
         for k, (req, n) in enumerate(items):
             start, end, row0 = req.num_computed_tokens, req.num_computed_tokens + n, len(ids)
             table = req.block_table
@@ -113,6 +122,11 @@ class ModelRunner:
                     sample_rows.append(len(ids) - 1)
                     sampling.append(k)
                 continue
+            if req.params.prompt_logprobs is not None and req.first_token_time is None:
+                lo, hi = max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1)
+                if lo < hi:  # position p's logits predict prompt token p + 1
+                    extra_rows.extend(range(row0 + lo - start, row0 + hi - start))
+                    prompt_rows.append((k, lo, hi - lo))
             for j, span in enumerate(req.images):
                 a, b = max(start, span.offset), min(end, span.offset + span.length)
                 if a < b:
@@ -149,7 +163,9 @@ class ModelRunner:
         if prev_rows:
             from_prev = (to_device(prev_rows, torch.long, dev), to_device(prev_src, torch.long, dev))
         self._drop_used_images(items)  # what this step needs is in `feats` now
-        return StepInputs(ids_t, pos_t, meta, rows, feats, sample_rows, sampling, from_prev)
+        return StepInputs(
+            ids_t, pos_t, meta, rows, feats, sample_rows, sampling, from_prev, extra_rows, prompt_rows
+        )
 
     @torch.inference_mode()
     def forward(
@@ -171,7 +187,7 @@ class ModelRunner:
             if inputs.embed_feats.shape[1] > 1:
                 deepstack = (inputs.embed_rows, inputs.embed_feats[:, 1:])
         hidden = lm(embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack)
-        rows = inputs.sample_rows
+        rows = inputs.sample_rows + inputs.extra_rows
         logits = lm.logits(hidden[rows]) if rows else hidden.new_empty((0, 0))
         return logits, inputs.sampling
 

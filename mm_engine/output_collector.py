@@ -28,6 +28,7 @@ class OutputCollector:
         self._all_ids: list[int] = []  # since the start (not kept for DELTA)
         self._all_text = ""
         self._all_logprobs: list = []
+        self._prompt_logprobs = None  # from the first output that has them
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
@@ -36,6 +37,8 @@ class OutputCollector:
         self._last = out
         self._new_ids += out.outputs[0].token_ids
         self._new_text.append(out.delta_text)
+        if out.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = out.prompt_logprobs
         if out.outputs[0].logprobs is not None:
             self._new_logprobs = (self._new_logprobs or []) + out.outputs[0].logprobs
         if self.kind is not FINAL_ONLY or out.finished:
@@ -76,4 +79,8 @@ class OutputCollector:
         completion = CompletionOutput(
             c.index, text, token_ids, c.finish_reason, c.stop_reason, logprobs, c.cumulative_logprob
         )
-        return dataclasses.replace(out, outputs=[completion], delta_text=delta)
+        prompt_lps = self._prompt_logprobs
+        if self.kind is DELTA and prompt_lps is not None:
+            self._prompt_logprobs = []  # given once, in the first delta
+            prompt_lps = prompt_lps or None
+        return dataclasses.replace(out, outputs=[completion], delta_text=delta, prompt_logprobs=prompt_lps)

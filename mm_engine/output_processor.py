@@ -26,6 +26,7 @@ class _State:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -60,6 +61,10 @@ class OutputProcessor:
             if st is None:  # aborted while the step ran
                 continue
             st.output_ids += co.new_token_ids
+            if co.prompt_logprobs is not None:
+                ids = st.prompt_token_ids
+                st.prompt_logprobs = [None if lp is None else self._logprobs(ids[i], lp)
+                                      for i, lp in enumerate(co.prompt_logprobs)]  # fmt: skip
             if co.logprobs:
                 pairs = zip(co.new_token_ids, co.logprobs, strict=True)
                 st.logprobs += [self._logprobs(t, lp) for t, lp in pairs]
@@ -132,4 +137,7 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=co.num_cached_tokens,
             delta_text=delta,
-        )
+            # DELTA: in the first output only (the one that brings them).
+            prompt_logprobs=st.prompt_logprobs if kind is not RequestOutputKind.DELTA or co.prompt_logprobs
+            else None,
+        )  # fmt: skip

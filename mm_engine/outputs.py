@@ -44,4 +44,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     delta_text: str = ""  # text new since the previous output of this request (for streaming)
+    # With SamplingParams(prompt_logprobs=k): per prompt token (None for the first and for image
+    # positions) a dict of token id to Logprob, the prompt's token first, then the top k.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -71,6 +71,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this once a token is in the output
     min_p: float = 0.0  # after temperature: tokens below min_p times the top probability go
     logprobs: int | None = None  # the sampled token's logprob and this many top ones (0 to 20)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (raw) and this many top ones
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
@@ -120,8 +121,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number from {lo:g} to {hi:g}, got {value!r}")
         if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        if self.logprobs is not None and not (_integer(self.logprobs) and 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_integer(value) and 0 <= value <= 20):
+                raise ValueError(f"{name} must be None or an integer from 0 to 20, got {value!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise ValueError("structured_outputs must be a StructuredOutputs")

@@ -136,6 +136,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or req.block_table:
             return 0
+        if req.params.prompt_logprobs is not None and req.first_token_time is None:
+            return 0  # its prompt's logits are wanted: none can come from the cache
         self._hash_full_blocks(req, upto=(req.num_tokens - 1) // self.block_size)
         for i, h in enumerate(req.block_hashes[: (req.num_tokens - 1) // self.block_size]):
             block = self.pools[self._kinds(req, i, i + 1)[0]].lookup(h, count)

@@ -112,3 +112,33 @@ def test_logprobs_cross_from_the_core_process(clip_llama):
     assert [{t: lp.rank for t, lp in e.items()} for e in got.logprobs] == [
         {t: lp.rank for t, lp in e.items()} for e in want.logprobs
     ]
+
+
+@pytest.mark.parametrize("mode", [None, "thread"])
+def test_prompt_logprobs_equal_transformers(clip_llama, ref_clip_llama, mode):
+    image = make_image(6)
+    kw = KW if mode is None else dict(KW, async_scheduling=True, async_launch=mode)
+    llm = LLM(clip_llama, **kw, max_num_batched_tokens=16)  # the prompt spans chunks
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": [image]}}
+    for _ in range(2):  # the second time its prefix is cached, but must not be taken
+        out = llm.generate(prompt, params)[0]
+    inputs = ref_clip_llama.processor(text=PROMPT, images=[image], return_tensors="pt")
+    with torch.inference_mode():
+        logits = ref_clip_llama.model(**inputs).logits[0]
+    want = torch.log_softmax(logits, dim=-1)
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    image_id = llm.engine.inputs.image_token_id
+    checked = 0
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        if ids[p] == image_id:
+            assert entry is None
+            continue
+        assert next(iter(entry)) == ids[p]
+        assert entry[ids[p]].logprob == pytest.approx(want[p - 1, ids[p]].item(), abs=1e-4)
+        top = sorted(entry.items(), key=lambda kv: kv[1].rank)[:2]
+        assert [t for t, _ in top] == want[p - 1].topk(2).indices.tolist()
+        checked += 1
+    assert checked >= 4
