@@ -194,14 +194,21 @@ class EngineCore(OverlappedSteps):
         blocks freed), every other request stays as it was."""
         if self.device_lost:
             raise RuntimeError("the device failed earlier; this engine cannot run any more")
-        failed = self._admit_compiled() if self._compiling else []
-        if self.launcher is not None:
-            return failed + self._step_overlapped()
+        ended = self._admit_compiled() if self._compiling else []  # grammars that failed
+        if self.launcher is None:
+            ended, self._carry = self._carry + ended, []
+        try:
+            return ended + (self._step_overlapped() if self.launcher is not None else self._step_plain())
+        except StepFailedError:
+            self._carry = ended + self._carry  # what was ready goes out with the next step
+            raise
+
+    def _step_plain(self) -> list[CoreOutput]:
         batch = self._schedule()
         if not batch.items:
-            return failed
+            return []
         try:
-            return failed + self._run(batch)
+            return self._run(batch)
         except Exception as exc:
             raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
 

@@ -38,6 +38,8 @@ class Launched:
     tokens: Future  # what it sampled (Sampled, on the device; None when nothing samples)
     host: torch.Tensor | None = None  # pinned copy of the tokens (CUDA inline)
     ready: torch.cuda.Event | None = field(default=None)  # recorded after that copy
+    host_logprobs: Sampled | None = None  # pinned copies of the logprob tensors (CUDA inline)
+    registered: list = field(default_factory=list)  # (request, blocks registered before) by settling
 
     def device_tokens(self) -> torch.Tensor | None:
         """The sampled ids on the device (in thread mode: waits for the step; in launch order
@@ -60,7 +62,8 @@ class Launched:
         sampled = self.tokens.result()
         if sampled is None:
             return []
-        return sampled.host_logprobs([self.items[k][0].params for k in self.sampling])
+        params = [self.items[k][0].params for k in self.sampling]
+        return (self.host_logprobs or sampled).host_logprobs(params)
 
     def wait(self) -> None:
         """Wait until the step has run, without reading (or raising) anything."""
@@ -104,11 +107,14 @@ class StepLauncher:
         future.set_result(tokens)
         if tokens is None or self.device.type != "cuda":
             return Launched(items, inputs.sampling, future)
-        host = torch.empty(tokens.ids.shape, dtype=tokens.ids.dtype, pin_memory=True)
-        host.copy_(tokens.ids, non_blocking=True)
+        host = _pinned(tokens.ids)
+        host_lps = None
+        if tokens.logprobs is not None:  # read with the tokens, behind the same event
+            lps = (tokens.logprobs, tokens.ranks, tokens.top_ids, tokens.top_logprobs)
+            host_lps = Sampled(host, *(_pinned(t) for t in lps))
         ready = torch.cuda.Event()
-        ready.record()
-        return Launched(items, inputs.sampling, future, host, ready)
+        ready.record(torch.cuda.current_stream(self.device))
+        return Launched(items, inputs.sampling, future, host, ready, host_lps)
 
     def _run(
         self,
@@ -127,6 +133,13 @@ class StepLauncher:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `t`, queued behind the work that makes it."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def make_launcher(config, runner: ModelRunner, sampler: Sampler, device: torch.device) -> StepLauncher | None:

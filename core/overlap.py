@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mm_engine.core.launcher import Launched
 from mm_engine.core.types import CoreOutput
+from mm_engine.faults import StepFailedError
 from mm_engine.logit_adjust import row_contexts
 from mm_engine.model_runner import PLACEHOLDER
 from mm_engine.sched.scheduler import ScheduledBatch
@@ -24,28 +25,40 @@ class OverlappedSteps:
 
     def _step_overlapped(self) -> list[CoreOutput]:
         """One overlapped step; returns the outputs of the step before. A step that fails is
-        found out where its tokens are read: with it fails the step launched on its tokens."""
+        found out where its tokens are read: with it fails the step launched on its tokens. Any
+        failure fails the requests of both steps that are still live, and keeps the outputs read
+        so far for the next step."""
         prev, self._inflight = self._inflight, None
         outputs, self._carry = self._carry, []
+        batch = ScheduledBatch()
+        try:
+            return self._overlapped(prev, batch, outputs)
+        except StepFailedError:
+            raise
+        except Exception as exc:  # outside the guarded parts (scheduling, settling): fail both steps
+            ids = self._live_ids([*(prev.items if prev else []), *batch.items])
+            self._carry = [o for o in outputs if o.request_id not in ids]
+            raise self._failed(exc, ids) from exc
+
+    def _overlapped(self, prev: Launched | None, batch: ScheduledBatch, outputs: list[CoreOutput]):
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
-        batch = self._schedule()
+        batch.items = self._schedule().items  # (the caller's batch: what fails if anything does)
         if any(r.params.prompt_logprobs is not None and r.first_token_time is None for r, _ in batch.items):
             # Prompt logprobs come from the plain step (its logits have extra rows): no overlap here.
             if prev is not None:
                 outputs = self._collect_before(prev, batch, outputs)
-                batch.items = [(req, n) for req, n in batch.items if not req.is_finished]
             if not batch.items:
                 return outputs
             try:
                 return outputs + self._run(batch)
             except Exception as exc:
-                self._carry = outputs
-                raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
+                ids = self._live_ids(batch.items)
+                self._carry = [o for o in outputs if o.request_id not in ids]
+                raise self._failed(exc, ids) from exc
         if prev is not None and any(req.params.needs_history for req, _ in batch.items):
-            # A penalty reads the tokens so far: the previous step's must be on the host first.
+            # A penalty or a grammar reads the tokens so far: the previous step's come first.
             prev, outputs = None, self._collect_before(prev, batch, outputs)
-            batch.items = [(req, n) for req, n in batch.items if not req.is_finished]  # ended just now
         launched, launch_error = None, None
         if batch.items:
             try:
@@ -59,9 +72,10 @@ class OverlappedSteps:
             except Exception as exc:
                 if launched is not None:
                     launched.wait()
+                self._forget_registered(prev)
                 failed, launch_error = [*prev.items, *batch.items], exc
         if launch_error is not None:
-            ids = list(dict.fromkeys(req.request_id for req, _ in failed))
+            ids = self._live_ids(failed)  # not those that ended with the outputs just read
             self._carry = [o for o in outputs if o.request_id not in ids]  # handed out next step
             raise self._failed(launch_error, ids) from launch_error
         self._inflight = launched
@@ -69,13 +83,27 @@ class OverlappedSteps:
             self._settle(launched)
         return outputs
 
+    def _live_ids(self, items: list) -> list[str]:
+        return [rid for rid in dict.fromkeys(req.request_id for req, _ in items) if rid in self.requests]
+
+    def _forget_registered(self, step: Launched) -> None:
+        """A step whose forward failed wrote no KV: the blocks it registered for reuse must go."""
+        for req, before in step.registered:
+            for block in req.block_table[before : req.num_registered_blocks]:
+                self.blocks.pool_of(block).forget(block)
+            req.num_registered_blocks = min(req.num_registered_blocks, before)
+
     def _collect_before(self, prev: Launched, batch: ScheduledBatch, outputs: list[CoreOutput]):
+        """Read the step in flight before this one launches; drop the requests it ended."""
         try:
-            return outputs + self._collect(prev)
+            outputs = outputs + self._collect(prev)
         except Exception as exc:
-            ids = list(dict.fromkeys(req.request_id for req, _ in [*prev.items, *batch.items]))
+            self._forget_registered(prev)
+            ids = self._live_ids([*prev.items, *batch.items])
             self._carry = [o for o in outputs if o.request_id not in ids]
             raise self._failed(exc, ids) from exc
+        batch.items = [(req, n) for req, n in batch.items if not req.is_finished]
+        return outputs
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None) -> Launched:
         pending = (
@@ -108,7 +136,10 @@ class OverlappedSteps:
             if req.is_finished:  # ended on the previous step's token: this row is stale
                 continue
             req.num_computed_tokens += n
+            before = req.num_registered_blocks
             self.blocks.commit(req)
+            if req.num_registered_blocks > before:  # to forget if the forward turns out to have failed
+                step.registered.append((req, before))
         for k in step.sampling:
             req = step.items[k][0]
             if req.is_finished:

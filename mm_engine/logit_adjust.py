@@ -76,13 +76,15 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], rows: list
         logits[to_device(r, torch.long, dev), to_device(t, torch.long, dev)] = float("-inf")
     constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
     if constrained:
-        sub = logits[constrained]
+        at = to_device(constrained, torch.long, dev)
+        sub = logits.index_select(0, at)
         apply_bitmask(sub, torch.stack([rows[i].allowed for i in constrained]))
-        logits[to_device(constrained, torch.long, dev)] = sub
+        logits[at] = sub
     penalised = [i for i, p in enumerate(params) if p.penalised]
     if penalised:
-        logits[to_device(penalised, torch.long, dev)] = _penalise(
-            logits[penalised], [params[i] for i in penalised], [rows[i] for i in penalised]
+        at = to_device(penalised, torch.long, dev)
+        logits[at] = _penalise(
+            logits.index_select(0, at), [params[i] for i in penalised], [rows[i] for i in penalised]
         )
     return logits
 

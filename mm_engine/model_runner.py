@@ -48,6 +48,7 @@ class StepInputs:
     # the logits), and per request (item, first prompt position, count) of those rows.
     extra_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    logit_rows: torch.Tensor | None = None  # sample_rows + extra_rows on the device (no host sync)
 
 
 class ModelRunner:
@@ -163,8 +164,21 @@ class ModelRunner:
         if prev_rows:
             from_prev = (to_device(prev_rows, torch.long, dev), to_device(prev_src, torch.long, dev))
         self._drop_used_images(items)  # what this step needs is in `feats` now
+        logit_rows = (
+            to_device(sample_rows + extra_rows, torch.long, dev) if sample_rows or extra_rows else None
+        )
         return StepInputs(
-            ids_t, pos_t, meta, rows, feats, sample_rows, sampling, from_prev, extra_rows, prompt_rows
+            ids_t,
+            pos_t,
+            meta,
+            rows,
+            feats,
+            sample_rows,
+            sampling,
+            from_prev,
+            extra_rows,
+            prompt_rows,
+            logit_rows,
         )
 
     @torch.inference_mode()
@@ -187,8 +201,9 @@ class ModelRunner:
             if inputs.embed_feats.shape[1] > 1:
                 deepstack = (inputs.embed_rows, inputs.embed_feats[:, 1:])
         hidden = lm(embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack)
-        rows = inputs.sample_rows + inputs.extra_rows
-        logits = lm.logits(hidden[rows]) if rows else hidden.new_empty((0, 0))
+        if inputs.logit_rows is None:
+            return hidden.new_empty((0, 0)), inputs.sampling
+        logits = lm.logits(hidden.index_select(0, inputs.logit_rows))
         return logits, inputs.sampling
 
     def _ranges(

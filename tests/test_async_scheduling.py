@@ -174,3 +174,22 @@ def test_mrope_family_same_tokens(vl_family):
     for out, (text, imgs, n) in zip(outs, cases, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
     _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_step_leaves_no_block_in_the_prefix_cache(clip_llama, mode):
+    """The prefill that failed wrote no KV: the blocks it would have offered for reuse must not be
+    found by the next request with the same prompt."""
+    prompt = "USER: " + "what is this number " * 8 + "ASSISTANT:"
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    kw = dict(block_size=4, kv_cache_memory_bytes=4 * 1024**2)
+    want = _llm(clip_llama, None, **kw).generate(prompt, params)[0].outputs[0].token_ids
+    llm = _llm(clip_llama, mode, **kw)
+    _poison(llm, "bad")
+    llm.engine.add_request(prompt, params, request_id="bad")
+    with pytest.raises(StepFailedError):
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    again = llm.generate(prompt, params)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want
+    _assert_all_free(llm)
