@@ -47,7 +47,8 @@ TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cac
 
 # 1a. Async scheduling on CUDA (device auto: the engine on the GPU in float16): pinned copies,
 #     queued launches and the event the tokens are read behind, against the plain loop.
-TAIL=6 step async 90 $PY -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py -k "not mrope"
+TAIL=6 step async 120 $PY -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py \
+    tests/test_structured_output.py tests/test_parallel_sampling.py tests/test_logit_adjust.py -k "not mrope"
 
 # 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
@@ -63,6 +64,10 @@ TAIL=12 step host_overhead 90 $PY -m bench.host_overhead --device cuda --json "$
 # 2c. Async scheduling on and off on the GPU (engine only, the bench model, alternating).
 TAIL=6 step async_bench 90 $PY -m bench.async_scheduling --device cuda --modes off,inline --num-images 64 \
     --json "$OUT/async_scheduling_gpu.json"
+
+# 2d. Structured output's cost per token on the GPU (xgrammar's bitmask applied on the device).
+TAIL=6 step structured 60 $PY -m bench.structured_output --device cuda --requests 64 \
+    --json "$OUT/structured_output_gpu.json"
 
 # 3. Paged attention against SDPA.
 TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
