@@ -56,7 +56,7 @@ class OverlappedSteps:
                 ids = self._live_ids(batch.items)
                 self._carry = [o for o in outputs if o.request_id not in ids]
                 raise self._failed(exc, ids) from exc
-        if prev is not None and any(req.params.needs_history for req, _ in batch.items):
+        if prev is not None and self._reads_pending(prev, batch):
             # A penalty or a grammar reads the tokens so far: the previous step's come first.
             prev, outputs = None, self._collect_before(prev, batch, outputs)
         launched, launch_error = None, None
@@ -82,6 +82,12 @@ class OverlappedSteps:
         if launched is not None:
             self._settle(launched)
         return outputs
+
+    @staticmethod
+    def _reads_pending(prev: Launched, batch: ScheduledBatch) -> bool:
+        """Whether a request whose sampling reads its tokens so far has one still in flight."""
+        readers = {req.request_id for req, _ in batch.items if req.params.needs_history}
+        return bool(readers) and any(prev.items[k][0].request_id in readers for k in prev.sampling)
 
     def _live_ids(self, items: list) -> list[str]:
         return [rid for rid in dict.fromkeys(req.request_id for req, _ in items) if rid in self.requests]
