@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from mm_engine.host_copy import to_device
 from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.options import longest_edge
 from mm_engine.models.tower_projector import TowerProjectorModel
@@ -93,7 +94,7 @@ class Mistral3Model(TowerProjectorModel):
         pixels = torch.stack(
             [F.pad(s.pixel_values, (0, width - s.grid[1], 0, height - s.grid[0])) for s in images]
         ).to(lm_weight.device, self.vision_dtype)
-        sizes = torch.tensor([span.grid for span in images], device=lm_weight.device)
+        sizes = to_device([span.grid for span in images], None, lm_weight.device)
         out = self.vision_tower(pixels, image_sizes=sizes, output_hidden_states=True)
         feats = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1).squeeze(0)
         feats = self.multi_modal_projector(feats.to(lm_weight.dtype), sizes)

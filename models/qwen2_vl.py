@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mm_engine.host_copy import to_device
 from mm_engine.layers import mrope_streams
 from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
 from mm_engine.models.mrope import mrope_positions
@@ -145,8 +146,10 @@ class Qwen2VLModel(MultimodalModel):
     @torch.inference_mode()
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
         device = self.language_model.embed_tokens.weight.device
-        pixels = torch.cat([span.pixel_values for span in images]).to(device, self.vision_dtype)
-        grid = torch.tensor([span.grid for span in images], dtype=torch.long, device=device)
+        # Pinned, not waited for: with async scheduling the forward in flight goes on meanwhile.
+        pixels = torch.cat([span.pixel_values for span in images])
+        pixels = to_device(pixels, None, device).to(self.vision_dtype)
+        grid = to_device([span.grid for span in images], torch.long, device)
         out = self.visual(pixels, grid_thw=grid)
         feats = torch.stack([out.pooler_output, *self._extras(out)], dim=1)
         feats = feats.to(self.language_model.embed_tokens.weight.dtype)
