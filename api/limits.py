@@ -107,7 +107,10 @@ def request_params(
 ) -> SamplingParams:
     """The sampling fields that chat and completions share (OpenAI's and vLLM's extras), as
     `SamplingParams`; max_tokens and min_tokens are set once the prompt's length is known."""
+    if data.stream_options is not None and not data.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return sampling_params(
+        n=data.n,
         temperature=data.temperature,
         top_p=data.top_p,
         top_k=data.top_k,

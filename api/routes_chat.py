@@ -50,8 +50,6 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         if getattr(body, name) is not UNSET:
             message = f"{name}: tool calling is not supported for this model (no tool-call parser yet)"
             raise APIError(400, message, param=name, code="unsupported_parameter")
-    if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
 
 async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
@@ -126,7 +124,6 @@ async def create_chat_completion(
     if data.min_tokens:
         set_min_tokens(params, data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params.n = data.n
     streams = [
         ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", data.priority, arrival)
         for j, child in enumerate(params.children())

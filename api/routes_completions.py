@@ -43,8 +43,6 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.echo and body.logprobs is not None:
         message = "echo with logprobs needs prompt logprobs, which are not supported yet"
         raise APIError(400, message, param="echo", code="unsupported_value")
-    if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
 
 def _is_id(t) -> bool:
@@ -87,7 +85,6 @@ async def create_completion(
     _refuse_unsupported(data)
     prompts = _prompts(data.prompt)
     base = request_params(data, settings, data.logprobs, structured_outputs_of(data))
-    base.n = data.n
     ctx.llm.check_admission()
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens, inputs_all = [], []
