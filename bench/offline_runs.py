@@ -163,10 +163,10 @@ def _profile(engine) -> dict[str, float]:
     runner = engine.runner
     execute = runner.execute
 
-    def execute_split(items):
+    def execute_split(items, *rest):
         t, vision_before = time.perf_counter(), timers["vision"]
         try:
-            return execute(items)
+            return execute(items, *rest)
         finally:
             forward = time.perf_counter() - t - (timers["vision"] - vision_before)
             prefill = sum(n for req, n in items if _in_prompt(req))

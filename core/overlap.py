@@ -43,7 +43,8 @@ class OverlappedSteps:
     def _overlapped(self, prev: Launched | None, batch: ScheduledBatch, outputs: list[CoreOutput]):
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
-        batch.items = self._schedule().items  # (the caller's batch: what fails if anything does)
+        scheduled = self._schedule()  # into the caller's batch: what fails if anything does
+        batch.items, batch.copies = scheduled.items, scheduled.copies
         if any(r.params.prompt_logprobs is not None and r.first_token_time is None for r, _ in batch.items):
             # Prompt logprobs come from the plain step (its logits have extra rows): no overlap here.
             if prev is not None:
@@ -115,7 +116,7 @@ class OverlappedSteps:
         pending = (
             {} if prev is None else {prev.items[k][0].request_id: i for i, k in enumerate(prev.sampling)}
         )
-        inputs = self.runner.prepare(batch.items, pending)
+        inputs = self.runner.prepare(batch.items, pending, batch.copies)
         sampling = [batch.items[k][0] for k in inputs.sampling]
         params, gens = [r.params for r in sampling], [r.generator for r in sampling]
         return self.launcher.launch(

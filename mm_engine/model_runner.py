@@ -49,6 +49,7 @@ class StepInputs:
     extra_rows: list[int] = field(default_factory=list)
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None  # sample_rows + extra_rows on the device (no host sync)
+    block_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (sources, destinations), first
 
 
 class ModelRunner:
@@ -72,18 +73,26 @@ class ModelRunner:
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
 
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[int], list]:
+    def execute(
+        self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, list[int], list]:
         """Returns logits `[len(sampling) + prompt rows, vocab]`, the indices into `items` that
         sample (the first rows of the logits), and the prompt-logprob rows after them."""
-        inputs = self.prepare(items)
+        inputs = self.prepare(items, copies=copies)
         logits, sampling = self.forward(inputs)
         return logits, sampling, inputs.prompt_rows
 
     @torch.inference_mode()
-    def prepare(self, items: list[tuple[Request, int]], pending: dict[str, int] | None = None) -> StepInputs:
+    def prepare(
+        self,
+        items: list[tuple[Request, int]],
+        pending: dict[str, int] | None = None,
+        copies: list[tuple[int, int]] = (),
+    ) -> StepInputs:
         """Everything a forward needs, as tensors on the device: the host's share of a step
         (images a chunk reaches are encoded here too). `pending`: request id -> index among the
-        previous step's samples, for the requests whose last token is still a `PLACEHOLDER`."""
+        previous step's samples, for the requests whose last token is still a `PLACEHOLDER`.
+        `copies`: KV blocks (source, destination) the forward copies before anything else."""
         self._encode_images(items)
         bs = self.block_size
         ids: list[int] = []
@@ -167,6 +176,10 @@ class ModelRunner:
         logit_rows = (
             to_device(sample_rows + extra_rows, torch.long, dev) if sample_rows or extra_rows else None
         )
+        block_copies = None
+        if copies:
+            src, dst = zip(*copies, strict=True)
+            block_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
         return StepInputs(
             ids_t,
             pos_t,
@@ -179,6 +192,7 @@ class ModelRunner:
             extra_rows,
             prompt_rows,
             logit_rows,
+            block_copies,
         )
 
     @torch.inference_mode()
@@ -187,6 +201,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """One forward over prepared inputs: logits of the rows that sample, and which items.
         `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
+        if inputs.block_copies is not None:  # before this step writes any KV
+            self.kv.copy_blocks(*inputs.block_copies)
         lm = self.model.language_model
         ids = inputs.ids
         if inputs.from_prev is not None:

@@ -10,6 +10,13 @@ Every full block gets a content hash: SHA-256 over the parent block's hash, its 
 the image tokens in it, the image's content hash and the offset into the image. Two different
 images therefore never share KV although their placeholder tokens are equal, and a cryptographic
 hash means no one can craft a collision to read another request's KV.
+
+A prompt's last, partial block is shared by copy: once a request has computed its prompt, its
+partial block is registered under a hash of the prompt tokens in it (up to the last one, whose
+logits every request computes itself). A later request with the same prompt (the `n` samples of
+one, or the same question again) takes the full blocks by reference and gets a fresh block with
+a copy of that partial one, since it writes its own tokens there next: copy on write. The copy
+runs on the device at the start of the step that admits it (`take_copies`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
         self._flags_cache: dict[str, list[bool]] = {}  # request id -> image_block_flags
+        # Partial prompt blocks open to copying: tail hash -> (block, owner request id).
+        self._tails: dict[bytes, tuple[int, str]] = {}
+        self._tail_of: dict[str, bytes] = {}  # owner request id -> its registered tail hash
+        self._tail_seen: set[str] = set()  # requests whose tail was offered (or could not be)
+        self._copies: dict[str, tuple[int, int]] = {}  # request id -> (source, its own block)
+        self.partial_block_copies = {TEXT: 0, IMAGE: 0}  # by the pool of the copy
 
     # ---- which pool ----------------------------------------------------------------------------
 
@@ -105,6 +118,15 @@ class BlockManager:
     def free(self, req: Any) -> None:
         # Tail first: the pools evict least recently released first, so a cached prefix loses its
         # last blocks before its root (a chain whose root is gone can never be matched again).
+        rid = req.request_id
+        copy = self._copies.pop(rid, None)
+        if copy is not None:  # admitted no further: its copy will not run
+            self.pool_of(copy[0]).release(copy[0])
+            self.partial_block_copies[self.pool_of(copy[1]).name] -= 1
+        tail = self._tail_of.pop(rid, None)
+        if tail is not None:
+            del self._tails[tail]
+        self._tail_seen.discard(rid)
         for block in reversed(req.block_table):
             self.pool_of(block).release(block)
         req.block_table = []
@@ -113,13 +135,16 @@ class BlockManager:
     def forget(self, req: Any) -> None:
         """Drop per-request bookkeeping once the request has finished for good."""
         self._flags_cache.pop(req.request_id, None)
+        self._tail_seen.discard(req.request_id)
 
     # ---- prefix reuse --------------------------------------------------------------------------
 
-    def block_hash(self, req: Any, i: int, parent: bytes) -> bytes:
+    def block_hash(self, req: Any, i: int, parent: bytes, end: int | None = None) -> bytes:
+        """Block `i`'s content hash; with `end`, of only its positions below `end` (a partial
+        block's, which can never equal a full one's)."""
         bs = self.block_size
-        lo, hi = i * bs, (i + 1) * bs
-        h = hashlib.sha256(parent)
+        lo, hi = i * bs, (i + 1) * bs if end is None else end
+        h = hashlib.sha256(parent if end is None else b"partial:" + parent)
         h.update(b",".join(str(t).encode() for t in req.token_ids[lo:hi]))
         for span in req.images:
             a, b = max(lo, span.offset), min(hi, span.offset + span.length)
@@ -146,7 +171,43 @@ class BlockManager:
             req.block_table.append(block)
         req.num_computed_tokens = len(req.block_table) * self.block_size
         req.num_registered_blocks = len(req.block_table)
+        self._copy_tail(req)
         return req.num_computed_tokens
+
+    def _tail_hash(self, req: Any) -> bytes | None:
+        """Hash of the prompt's last block up to its last token; None when that part is empty."""
+        full, end = divmod(req.num_prompt_tokens - 1, self.block_size)
+        if end == 0:
+            return None
+        self._hash_full_blocks(req, upto=full)
+        parent = req.block_hashes[full - 1] if full else b""
+        return self.block_hash(req, full, parent, full * self.block_size + end)
+
+    def _copy_tail(self, req: Any) -> None:
+        """After the full blocks: take a copy of a live request's identical partial prompt block."""
+        full = (req.num_prompt_tokens - 1) // self.block_size
+        if req.num_tokens != req.num_prompt_tokens or len(req.block_table) != full or not self._tails:
+            return
+        found = self._tails.get(self._tail_hash(req))
+        pool = self.pools[self._kinds(req, full, full + 1)[0]]
+        if found is None or pool.num_available == 0:
+            return
+        src = found[0]
+        self.pool_of(src).hold(src)  # not handed to anyone else before the copy has read it
+        req.block_table.append(pool.allocate(1)[0])
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        self._copies[req.request_id] = (src, req.block_table[-1])
+        self.partial_block_copies[pool.name] += 1
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies of the requests admitted since the last call,
+        for this step's forward to run first; their sources are let go (the forward runs before
+        any later one that could write them)."""
+        copies = list(self._copies.values())
+        self._copies.clear()
+        for src, _ in copies:
+            self.pool_of(src).release(src)
+        return copies
 
     def count_lookup(self, req: Any, hit_blocks: int) -> None:
         """Count one lookup of a request in its pools' queries and hits: the `hit_blocks` blocks it
@@ -181,6 +242,13 @@ class BlockManager:
             block = req.block_table[i]
             self.pool_of(block).register(block, req.block_hashes[i])
         req.num_registered_blocks = max(req.num_registered_blocks, full)
+        rid = req.request_id
+        if rid not in self._tail_seen and req.num_computed_tokens >= req.num_prompt_tokens - 1:
+            self._tail_seen.add(rid)
+            tail = self._tail_hash(req)
+            if tail is not None and tail not in self._tails:
+                self._tails[tail] = (req.block_table[(req.num_prompt_tokens - 1) // self.block_size], rid)
+                self._tail_of[rid] = tail
 
     def _hash_full_blocks(self, req: Any, upto: int) -> None:
         while len(req.block_hashes) < upto:
@@ -214,5 +282,7 @@ class BlockManager:
                 "prefix_cache_hits": pool.hits,
                 "prefix_cache_misses": pool.queries - pool.hits,
                 "evictions": pool.evictions,
+                # Partial prompt blocks copied from a live request's instead of computed.
+                "partial_block_copies": self.partial_block_copies[name],
             }
         return out

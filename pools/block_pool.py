@@ -69,6 +69,13 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def hold(self, block: int) -> None:
+        """One more reference on a block someone already holds (a copy source, kept until read)."""
+        i = block - self.first_block
+        if not 0 <= i < self.num_blocks or self._refs[i] <= 0:
+            raise RuntimeError(f"{self.name} pool: block {block} held again but not held")
+        self._refs[i] += 1
+
     def release(self, block: int) -> None:
         i = block - self.first_block
         if not 0 <= i < self.num_blocks or self._refs[i] <= 0:

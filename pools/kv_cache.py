@@ -89,3 +89,8 @@ class KVCache:
         dims = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
         self.k = [paged_kv_tensor(*dims, empty) for _ in range(spec.num_layers)]
         self.v = [paged_kv_tensor(*dims, empty) for _ in range(spec.num_layers)]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks `src[i]` -> `dst[i]` in every layer (on the device, in stream order)."""
+        for layer in (*self.k, *self.v):
+            layer.index_copy_(0, dst, layer.index_select(0, src))

@@ -39,6 +39,7 @@ class QueueFullError(RuntimeError):
 class ScheduledBatch:
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +121,7 @@ class Scheduler:
                 i += 1
         finally:
             waiting.close()  # what was looked at but stays waiting goes back into the queue
+            batch.copies = self.blocks.take_copies()  # the partial prompt blocks copied on admission
         return batch
 
     def _chunk(self, req: Request) -> tuple[int, int]:

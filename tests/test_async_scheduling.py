@@ -133,10 +133,10 @@ def _poison(llm: LLM, rid: str) -> None:
     prepare = llm.engine.runner.prepare
     poisoned: set[str] = set()
 
-    def watched(items, pending=None):
+    def watched(items, *rest):
         poisoned.clear()
         poisoned.update(r.request_id for r, _ in items if r.request_id == rid)
-        return prepare(items, pending)
+        return prepare(items, *rest)
 
     llm.engine.runner.prepare, llm.engine.runner.forward = watched, faulty
 
@@ -192,4 +192,22 @@ def test_a_failed_step_leaves_no_block_in_the_prefix_cache(clip_llama, mode):
             llm.engine.step()
     again = llm.generate(prompt, params)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want
+    _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_n_samples_copy_the_partial_prompt_block_behind_the_forward(clip_llama, mode):
+    """The children copy the first sample's partial prompt block while its next step may still
+    be computing: the copy runs in the forward's order, so the samples equal the plain loop's."""
+    params = SamplingParams(n=4, temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)
+    prompts = [_prompt(3), _prompt(4)]
+    expected = _llm(clip_llama, None, block_size=8).generate(prompts, params)
+    llm = _llm(clip_llama, mode, block_size=8)
+    got = llm.generate(prompts, params)
+    samples = [[c.token_ids for c in o.outputs] for o in got]
+    assert samples == [[c.token_ids for c in o.outputs] for o in expected]
+    # Prompt 1 has full blocks: its children wait for them and then copy its partial one. Prompt
+    # 0 fits in one partial block: its children start with it, and compute their own.
+    assert [(len(o.prompt_token_ids) - 1) // 8 > 0 for o in got] == [False, True]
+    assert llm.kv_report()["text"]["partial_block_copies"] == 3
     _assert_all_free(llm)

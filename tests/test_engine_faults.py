@@ -24,10 +24,10 @@ def _poison(engine, message: str) -> None:
     """Batches holding request "bad" raise `message` inside the forward."""
     execute = engine.runner.execute
 
-    def faulty(items):
+    def faulty(items, *rest):
         if any(req.request_id == "bad" for req, _ in items):
             raise RuntimeError(message)
-        return execute(items)
+        return execute(items, *rest)
 
     engine.runner.execute = faulty
 

@@ -40,9 +40,9 @@ def _watch_chunks(llm) -> list:
     """Record every step's (request, start, tokens) as the runner receives it."""
     steps, execute = [], llm.engine.runner.execute
 
-    def watched(items):
+    def watched(items, *rest):
         steps.append([(req, req.num_computed_tokens, n) for req, n in items])
-        return execute(items)
+        return execute(items, *rest)
 
     llm.engine.runner.execute = watched
     return steps

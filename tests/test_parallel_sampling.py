@@ -1,6 +1,7 @@
 """`n` > 1: a prompt's n samples run as n requests that share its KV blocks through the prefix
-cache (and its image's encoder output), each reproducible from `seed + i`; offline one output with
-n choices, over HTTP n choices (streamed by index), usage counting the prompt once."""
+cache (its last, partial block by copy; and its image's encoder output), each reproducible from
+`seed + i`; offline one output with n choices, over HTTP n choices (streamed by index), usage
+counting the prompt once."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def test_n_samples_share_the_prompt_and_each_is_reproducible(clip_llama):
     fresh = LLM(clip_llama, **KW)
     fresh.generate(PROMPT, params)
     report = fresh.kv_report()
-    prompt_blocks = (len(out[0].prompt_token_ids) - 1) // KW["block_size"]  # the last token is computed
+    prompt_blocks, tail = divmod(len(out[0].prompt_token_ids) - 1, KW["block_size"])  # last token: computed
     hits = report["text"]["prefix_cache_hits"] + report["image"]["prefix_cache_hits"]
     assert hits == 3 * prompt_blocks  # every full prompt block computed once, taken by the other three
+    assert tail > 0 and report["text"]["partial_block_copies"] == 3  # the partial one copied on write
     assert fresh.engine.runner.num_encoded_images == 1
     assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
 

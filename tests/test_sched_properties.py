@@ -2,7 +2,10 @@
 
 Random arrivals (text and image requests, repeated prompts and images for cache hits), aborts and
 steps of a fake clock drive the real scheduler, block manager, prefix cache, swap space and encoder
-cache; a fake runner stands in for the model. After every rule the bookkeeping must add up.
+cache; a fake runner stands in for the model. After every rule the bookkeeping must add up, and
+every running request's KV slots must hold what it computed: the fake runner writes each token's
+id and position into its K slot, after the step's block copies, so a block shared, copied or swapped
+wrongly shows up as a slot with someone else's token.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert any(ranks[s] < ranks[w.request_id] for s in scheduled), (
                     "a starved request was passed over"
                 )
+        if batch.copies:  # the runner copies partial prompt blocks before the forward writes
+            src, dst = (torch.tensor(x) for x in zip(*batch.copies, strict=True))
+            self.kv.copy_blocks(src, dst)
         for req, n in batch.items:
             self._fake_run(req, n)
             assert req.num_computed_tokens <= req.num_tokens
@@ -121,6 +127,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if touched and self.encoder_cache.get(span.content_hash) is None:
                 self.encoder_cache.put(span.content_hash, torch.zeros(IMG_TOKENS))
         assert len(req.block_table) * BS >= end, "computing tokens that have no slot"
+        for p in range(start, end):
+            self.kv.k[0][req.block_table[p // BS], p % BS, 0] = torch.tensor(_slot_value(req, p))
         req.num_computed_tokens = end
 
     # ---- invariants --------------------------------------------------------------------------
@@ -148,6 +156,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.sched.running) <= self.sched.max_num_seqs
 
     @invariant()
+    def kv_slots_hold_what_was_computed(self):
+        if not hasattr(self, "blocks"):
+            return
+        for req in self.sched.running:
+            for p in range(req.num_computed_tokens):
+                got = self.kv.k[0][req.block_table[p // BS], p % BS, 0].tolist()
+                assert got == _slot_value(req, p), f"request {req.request_id} position {p}: wrong KV"
+
+    @invariant()
     def nothing_leaks_when_idle(self):
         if hasattr(self, "blocks") and not self.live:
             for pool in self.blocks.pools.values():
@@ -165,6 +182,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step(1.0)
         assert not self.live, "requests never finished"
         self.nothing_leaks_when_idle()
+
+
+def _slot_value(req: Request, p: int) -> list[float]:
+    """What the fake forward writes for position p: its token, and which image (if any) it is in
+    (so two images' equal placeholder ids still differ)."""
+    image = next((int(s.content_hash[3:]) + 1 for s in req.images if s.offset <= p < s.offset + s.length), 0)
+    return [float(req.token_ids[p]), float(p + 1000 * image)]
 
 
 TestScheduler = SchedulerMachine.TestCase
