@@ -25,10 +25,48 @@ class ImagePart(Struct, tag_field="type", tag="image_url"):
 ContentPart = TextPart | ImagePart
 
 
+class CalledFunction(Struct):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class MessageToolCall(Struct):
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[ContentPart], Meta(min_length=1)]  # OpenAI refuses `[]` too
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI refuses `[]` too; None only for an assistant message that has tool_calls.
+    content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(Struct):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(Struct):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct):
+    name: FunctionName
+
+
+class NamedToolChoice(Struct):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Struct):
@@ -92,14 +130,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # needs logprobs: true
     response_format: ResponseFormat | None = None
-    # Not implemented yet: refused by name when sent (never silently dropped), whatever their value.
-    tools: Any = UNSET
-    tool_choice: Any = UNSET
+    # Function tools (families with a tool-call format; a 400 for the others). tool_choice:
+    # "auto" (the default with tools), "none", "required", or a named function.
+    tools: Annotated[list[ToolDef], Meta(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[MessageToolCall] | UnsetType = UNSET  # only when the model called tools
 
 
 class TopLogprob(Struct):
@@ -136,9 +177,22 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    index: int  # of the call within its choice
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(Struct):

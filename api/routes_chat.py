@@ -38,6 +38,7 @@ from mm_engine.api.openai_schemas import (
 from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import Usage, sum_usage, usage_of
 from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
+from mm_engine.api.tools import ToolPlan, delta_calls, message_calls, plan_tools
 from mm_engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
@@ -46,10 +47,6 @@ _IMAGE_INDEX = re.compile(r"^image (\d+)\b")
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    for name in ("tools", "tool_choice"):
-        if getattr(body, name) is not UNSET:
-            message = f"{name}: tool calling is not supported for this model (no tool-call parser yet)"
-            raise APIError(400, message, param=name, code="unsupported_parameter")
 
 
 async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
@@ -59,7 +56,7 @@ async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) ->
     where = [
         f"messages[{i}].content[{j}].image_url"
         for i, m in enumerate(messages)
-        if not isinstance(m.content, str)
+        if isinstance(m.content, list)
         for j, part in enumerate(m.content)
         if isinstance(part, ImagePart)
     ]
@@ -67,8 +64,20 @@ async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) ->
     out, k = [], 0
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        if isinstance(m.content, str):
-            out.append({"role": role, "content": m.content})
+        extra = {}
+        if m.tool_calls:
+            extra["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            extra["tool_call_id"] = m.tool_call_id
+        if not isinstance(m.content, list):  # a string, or None beside tool calls
+            out.append({"role": role, "content": m.content, **extra})
             continue
         parts = []
         for part in m.content:
@@ -82,7 +91,7 @@ async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) ->
                 url = "data:image/*;base64," + base64.b64encode(data).decode()
             parts.append({"type": "image_url", "image_url": {"url": url}})
             k += 1
-        out.append({"role": role, "content": parts})
+        out.append({"role": role, "content": parts, **extra})
     return out, where
 
 
@@ -108,11 +117,19 @@ async def create_chat_completion(
     _refuse_unsupported(data)
     requested = data.max_completion_tokens or data.max_tokens
     structured = structured_outputs_of(data, data.response_format)
+    tools = plan_tools(data, ctx.llm.model_info.tool_format)
+    if tools.structured is not None:
+        if structured is not None:
+            message = (
+                "tool_choice required or named holds the answer to a grammar: not with structured output too"
+            )
+            raise APIError(400, message, param="tool_choice")
+        structured = tools.structured
     params = request_params(data, settings, (data.top_logprobs or 0) if data.logprobs else None, structured)
     ctx.llm.check_admission()
     messages, where = await to_engine_messages(ctx, data.messages)
     try:
-        inputs = await ctx.llm.process_chat(messages)
+        inputs = await ctx.llm.process_chat(messages, tools.tools)
     except ValueError as exc:
         match = _IMAGE_INDEX.match(str(exc))
         k = int(match.group(1)) if match else -1
@@ -129,7 +146,7 @@ async def create_chat_completion(
         for j, child in enumerate(params.children())
     ]
     head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage),
-                 (data.top_logprobs or 0) if data.logprobs else None)  # fmt: skip
+                 (data.top_logprobs or 0) if data.logprobs else None, tools)  # fmt: skip
     with client_errors(None):
         if not data.stream:
             return head.response(await ctx.run(request, all_last(streams)))
@@ -139,16 +156,20 @@ async def create_chat_completion(
 
 
 class _Head:
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool, top: int | None) -> None:
+    def __init__(
+        self, rid: str, created: int, model: str, include_usage: bool, top: int | None, tools: ToolPlan
+    ) -> None:
         self.rid, self.created, self.model, self.include_usage = rid, created, model, include_usage
         self.top = top  # top_logprobs per token; None: no logprobs
+        self.tools = tools
 
     def response(self, outs: list[RequestOutput]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(j, AssistantMessage(o.outputs[0].text), o.outputs[0].finish_reason,
-                       self.logprobs(o.outputs[0], o.finished))
-            for j, o in enumerate(outs)
-        ]  # fmt: skip
+        choices = []
+        for j, o in enumerate(outs):
+            content, calls = self.tools.extractor().whole(o.outputs[0].text)
+            message = AssistantMessage(content, tool_calls=message_calls(calls) if calls else UNSET)
+            reason = _finish_reason(o.outputs[0].finish_reason, bool(calls))
+            choices.append(ChatChoice(j, message, reason, self.logprobs(o.outputs[0], o.finished)))
         usage = sum_usage([usage_of(o) for o in outs], len(outs))
         return ChatCompletionResponse(self.rid, self.created, self.model, choices, usage)
 
@@ -187,13 +208,26 @@ async def _events(
         for j in range(n):
             yield head.chunk(DeltaMessage(role="assistant", content=""), index=j)
         generated, usages, item = [0] * n, {}, first
+        extractors = [head.tools.extractor() for _ in range(n)]
         while True:
             j, out = item
             generated[j] += len(out.outputs[0].token_ids)  # outputs are deltas
             logprobs = head.logprobs(out.outputs[0], out.finished)
-            if out.delta_text or out.finished or (logprobs is not None and logprobs.content):
-                reason = out.outputs[0].finish_reason if out.finished else None
-                yield head.chunk(DeltaMessage(content=out.delta_text or None), reason, logprobs, j)
+            calls_before = extractors[j].num_calls
+            content, calls = extractors[j].feed(out.delta_text or "")
+            if out.finished:
+                rest, more = extractors[j].flush()
+                content, calls = content + rest, calls + more
+            if content or calls or out.finished or (logprobs is not None and logprobs.content):
+                reason = (
+                    _finish_reason(out.outputs[0].finish_reason, extractors[j].num_calls > 0)
+                    if out.finished
+                    else None
+                )
+                delta = DeltaMessage(
+                    content=content or None, tool_calls=delta_calls(calls, calls_before) or None
+                )
+                yield head.chunk(delta, reason, logprobs, j)
             if out.finished:
                 usages[j] = usage_of(out, generated[j])
                 if len(usages) == n:
@@ -206,6 +240,11 @@ async def _events(
     finally:
         await merge.aclose()  # no-op when finished; aborts the requests when the client left
     yield DONE
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an answer that ended on its own after calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _token_logprob(entry: dict[int, Logprob], top: int) -> TokenLogprob:

@@ -96,7 +96,7 @@ class AsyncMPLLM(AsyncFrontend):
         ready = clients[0].ready
         self.affinity_slack = max(2, ready.max_num_seqs // 4) if affinity_slack is None else affinity_slack
         self._init_frontend(
-            frontend.inputs, ModelInfo(ready.max_model_len, ready.max_num_seqs),
+            frontend.inputs, ModelInfo(ready.max_model_len, ready.max_num_seqs, frontend.inputs.tool_format),
             ready.max_waiting_requests * data_parallel_size, sum_stats([c.stats for c in self._cores]),
             ready.platform, input_workers, light_input_bytes, stall_timeout, listener,
         )  # fmt: skip

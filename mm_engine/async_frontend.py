@@ -89,9 +89,10 @@ class AsyncFrontend:
         work = lambda: ProcessedInputs(*self._inputs.process(prompt))  # noqa: E731
         return await self.run_in_worker(work, weight=self._weigh(prompt))
 
-    async def process_chat(self, messages: list[dict]) -> ProcessedInputs:
-        """The same for OpenAI-style messages, through the model's chat template."""
-        work = lambda: ProcessedInputs(*self._inputs.chat(messages))  # noqa: E731
+    async def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedInputs:
+        """The same for OpenAI-style messages, through the model's chat template (which also
+        describes `tools`, when given)."""
+        work = lambda: ProcessedInputs(*self._inputs.chat(messages, None, tools))  # noqa: E731
         return await self.run_in_worker(work, weight=self._weigh(messages))
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, weight: int | None = None) -> Any:

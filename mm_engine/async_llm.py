@@ -45,8 +45,9 @@ class AsyncLLM(AsyncFrontend, EngineLoop):
         self.engine = engine
         if image_limits is not None:
             engine.inputs.limits = image_limits  # before the worker pool exists: no race
+        info = ModelInfo(engine.max_model_len, engine.config.max_num_seqs, engine.inputs.tool_format)
         self._init_frontend(
-            engine.inputs, ModelInfo(engine.max_model_len, engine.config.max_num_seqs),
+            engine.inputs, info,
             engine.config.max_waiting_requests, engine.stats(), engine.platform.info(),
             input_workers, light_input_bytes, stall_timeout, listener,
         )  # fmt: skip

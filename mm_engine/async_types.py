@@ -49,6 +49,7 @@ class ModelInfo:
 
     max_model_len: int
     max_num_seqs: int
+    tool_format: str | None = None  # how the model writes tool calls (mm_engine.tool_calls); None: it cannot
 
 
 @dataclass(slots=True)

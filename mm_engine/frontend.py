@@ -19,6 +19,7 @@ from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.structured_output import Grammars
 from mm_engine.thread_tokenizer import PerThreadTokenizer
+from mm_engine.tool_calls import tool_format_for
 
 IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
 
@@ -62,10 +63,10 @@ class PromptIntake:
 
     def add_chat_request(
         self, messages: list[dict], params: SamplingParams, request_id: str | None = None, priority: int = 0,
-        mm_processor_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None, tools: list[dict] | None = None,
     ) -> str:  # fmt: skip
         self.inputs.check_structured_outputs(params)
-        text, ids, spans = self.inputs.chat(messages, mm_processor_kwargs)
+        text, ids, spans = self.inputs.chat(messages, mm_processor_kwargs, tools)
         return self.add_processed(text, ids, spans, params, request_id, priority)
 
 
@@ -80,6 +81,7 @@ def build_frontend(config: EngineConfig, path: Path, hf_config) -> Frontend:
     longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
     inputs.max_prompt_chars = 2 * max_model_len * max(longest, 1)
     inputs.grammars = Grammars(per_thread.get, hf_config.text_config.vocab_size)
+    inputs.tool_format = tool_format_for(hf_config.model_type, inputs.chat_template)
     if config.max_image_tokens:
         max_image_tokens = config.max_image_tokens
     elif processing.fixed_tokens is not None:  # LLaVA-1.5: every image the same, no cap needed

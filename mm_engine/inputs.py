@@ -35,6 +35,7 @@ class InputProcessor:
         self.limits = limits or ImageLimits()
         self.max_prompt_chars: int | None = None  # set by the engine from max_model_len
         self.grammars: Grammars | None = None  # set by the frontend: to check structured outputs
+        self.tool_format: str | None = None  # set by the frontend: how the model writes tool calls
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the request's grammar (cached), so a spec that cannot be compiled is refused
@@ -135,16 +136,25 @@ class InputProcessor:
             raise type(exc)(f"image {index}: {exc}") from None
 
     def chat(
-        self, messages: list[dict], overrides: Mapping[str, Any] | None = None
+        self,
+        messages: list[dict],
+        overrides: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int], list[ImageSpan]]:
-        """OpenAI-style messages -> the chat template's prompt, its ids and the images in order."""
+        """OpenAI-style messages -> the chat template's prompt, its ids and the images in order.
+        `tools`: OpenAI function tools, for the template to describe (it must have a tool format)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if tools and self.tool_format is None:
+            raise ValueError(
+                "tool calling is not supported for this model (no tool-call format for its family)"
+            )
         converted, images = to_template_messages(messages)
-        self.check_length(sum(text_chars(m["content"]) for m in converted))
+        self.check_length(sum(text_chars(m["content"]) for m in converted) + len(json.dumps(tools or [])))
         text = self.tokenizer.apply_chat_template(
-            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
-        )
+            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
+            tools=tools or None,
+        )  # fmt: skip
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, *self.expand(ids, images, overrides)

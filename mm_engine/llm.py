@@ -54,14 +54,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         mm_processor_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations, through the chat
-        template. `mm_processor_kwargs`: processor options for these requests (e.g. `max_pixels`)."""
+        template. `mm_processor_kwargs`: processor options for these requests (e.g. `max_pixels`).
+        `tools`: OpenAI function tools the template describes to the model (families with a
+        tool-call format only); `mm_engine.tool_calls` parses the calls out of the text."""
         if not isinstance(messages, list | tuple):
             kind = type(messages).__name__
             raise ValueError(f"messages must be a list of message dicts (or of such lists), got {kind}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        inputs = [functools.partial(self.engine.inputs.chat, conv, mm_processor_kwargs) for conv in convs]
+        inputs = [
+            functools.partial(self.engine.inputs.chat, conv, mm_processor_kwargs, tools) for conv in convs
+        ]
         return self._run(inputs, sampling_params, priority)
 
     def kv_report(self) -> dict[str, dict[str, int]]:

@@ -105,10 +105,14 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_bytelevel_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+def build_bytelevel_tokenizer(
+    vocab_size: int | None = None, special: list[str] | None = None, **names: str
+) -> PreTrainedTokenizerFast:
     """Byte-level BPE (GPT-2's scheme) trained on WORDS and some JSON: every string has tokens, so
     grammars (JSON, regex) can be followed, unlike the word-level tokenizers. `vocab_size` pads
-    it with filler words `w<N>`, for a grammar's per-token work at a real vocabulary's size."""
+    it with filler words `w<N>`, for a grammar's per-token work at a real vocabulary's size.
+    `special` and `names` (eos_token=..., pad_token=...): another family's special tokens than
+    LLaVA's."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -121,9 +125,17 @@ def build_bytelevel_tokenizer(vocab_size: int | None = None) -> PreTrainedTokeni
         vocab_size=400, special_tokens=["<pad>", "<unk>", "<s>", "</s>", "<image>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
+    if special is not None:
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
     tok.train_from_iterator(corpus, trainer=trainer)
     if vocab_size is not None and vocab_size > tok.get_vocab_size():
         tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
+    if special is not None:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, **names)
+        fast.add_special_tokens({"additional_special_tokens": special})
+        return fast
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>"},

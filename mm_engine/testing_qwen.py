@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing import save_random_model, tiny_text, word_tokenizer
+from mm_engine.testing import build_bytelevel_tokenizer, save_random_model, tiny_text, word_tokenizer
 
 QWEN_SPECIAL = [
     "<|endoftext|>",
@@ -20,21 +20,32 @@ QWEN_SPECIAL = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+# Qwen's shape, smaller: with `tools` a system turn lists them and asks for Hermes-style calls; an
+# assistant turn's calls are written back as such, a tool's answer as a user turn.
 QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }} "
+    "{% if tools %}<|im_start|>system You may call functions. <tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> To call one, answer "
+    '<tool_call>{"name": name, "arguments": arguments}</tool_call><|im_end|> {% endif %}'
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user <tool_response>{{ message['content'] }}"
+    "</tool_response><|im_end|> {% else %}<|im_start|>{{ message['role'] }} "
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    '{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|> {% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
 VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
-def build_qwen_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
-    return word_tokenizer(
-        QWEN_SPECIAL, "user assistant system", vocab_size, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+def build_qwen_tokenizer(vocab_size: int | None = None, byte_level: bool = False) -> PreTrainedTokenizerFast:
+    names = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if byte_level:
+        return build_bytelevel_tokenizer(vocab_size, QWEN_SPECIAL, **names)
+    return word_tokenizer(QWEN_SPECIAL, "user assistant system", vocab_size, **names)
 
 
 def build_qwen_checkpoint(
@@ -49,15 +60,17 @@ def build_qwen_checkpoint(
     vocab_size: int | None = None,
     weight_scale: float = 4.0,
     dtype: torch.dtype = torch.float32,
+    byte_level: bool = False,
 ) -> Path:
     """A random checkpoint of one of `VERSIONS`; tiny by default (head size 32, GQA 4:2, two
-    layers, an 8-pixel patch, images of 2 to 48 merged tokens)."""
+    layers, an 8-pixel patch, images of 2 to 48 merged tokens). `byte_level`: a byte-level BPE
+    tokenizer, which can spell JSON (structured output, tool calls)."""
     from transformers import AutoConfig
 
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
     path = Path(path)
-    tokenizer = build_qwen_tokenizer(vocab_size)
+    tokenizer = build_qwen_tokenizer(vocab_size, byte_level)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     text = tiny_text(

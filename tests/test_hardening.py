@@ -226,6 +226,7 @@ def test_http_health_head_request_id_empty_content_and_blank_caption_prompt(clip
     ],
 )
 def test_unsupported_chat_parameters_are_refused_by_name(clip_llama, extra):
+    """LLaVA has no tool-call format: tools are refused (tests/test_tool_calls.py has the rest)."""
     import asyncio
 
     from litestar.testing import TestClient
