@@ -1,7 +1,7 @@
 """Offline throughput, side by side: mm-engine against transformers on the same model and inputs.
 
     python -m bench.offline --workload caption|chat [--num-images N] [--json PATH] [--profile]
-                            [--device cuda [--dtype float16]]
+                            [--device cuda [--dtype float16]] [--json-schema SCHEMA.json]
 
 Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, long-tailed):
   caption  one captioning prompt per image (64 by default); outputs mean ~30 tokens, at most 64.
@@ -26,6 +26,9 @@ With `--device cuda` both sides run on the GPU at `--dtype` (float16 by default 
 cuBLAS's at that dtype, and peak GPU memory is reported next to RSS. Half precision can flip a
 random model's near-tied greedy tokens between two correct implementations, so there the token
 check is reported but fails the run only in float32.
+
+With `--json-schema` the run is the engine against itself instead: the job unconstrained and with
+every output constrained to the schema, side by side (bench.offline_structured).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from transformers import AutoConfig
 from bench import vlm
 from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s
 from bench.offline_runs import Job, engine_run, hf_run, run_in_child
+from bench.offline_structured import print_structured, structured_cost
 
 HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (4, 8, 16)}  # chat at 32 lost to 8 and costs 90 s
 HF_SWEEP_GPU = {"caption": (8, 16, 32, 64, 128), "chat": (8, 16, 32, 64, 128)}
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="square matmul sizes the rate is measured at (default 1024,2048,3072; 4096,8192 on a GPU)",
     )
+    ap.add_argument("--json-schema", type=Path, default=None,
+                    help="measure structured output's cost: free against constrained to this JSON schema "
+                    "(default model then: bench-bytelevel)")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where both contestants run")
     ap.add_argument(
         "--dtype",
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.num_images = 64 if args.workload == "caption" else 16
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
-    model = vlm.resolve_model(args.model)
+    schema = None if args.json_schema is None else json.loads(args.json_schema.read_text())
+    model = vlm.resolve_model(args.model or ("bench-bytelevel" if schema is not None else None))
     requests = workload_requests(args.workload, args.num_images, args.seed, vlm.prompts_for(model))
     engine_args = {
         "max_num_seqs": args.max_num_seqs,
@@ -174,6 +182,15 @@ def main(argv: list[str] | None = None) -> dict:
         model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile,
         rate_sizes=rate_sizes, device=args.device, dtype=dtype,
     )  # fmt: skip
+    if schema is not None:
+        result = structured_cost(job, schema)
+        print_structured(result)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        if result["json_schema_valid"] != result["json_schema_completed"]:
+            raise SystemExit("a completed constrained output does not validate against the schema")
+        return result
     started = time.perf_counter()
     peak = matmul_flops_per_s(rate_sizes, device=args.device, dtype=getattr(torch, dtype))
     print(f"{dtype} matmul rate: {peak / 1e9:.1f} GFLOP/s ({args.device})", flush=True)

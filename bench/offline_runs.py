@@ -37,6 +37,7 @@ class Job:
     rate_sizes: tuple[int, ...] = (1024, 2048, 3072)  # matmul sizes of the rate measured next to a run
     device: str = "cpu"
     dtype: str = "float32"  # both contestants' weights and activations (vision tower too)
+    json_schema: dict | None = None  # the engine's outputs constrained to it (structured output)
 
 
 def run_in_child(fn, job: Job) -> dict:
@@ -61,21 +62,29 @@ def _peak_memory(job: Job) -> dict:
 
 def engine_run(job: Job) -> dict:
     from mm_engine import LLM, SamplingParams
+    from mm_engine.sampling_params import StructuredOutputs
 
     torch.set_num_threads(job.threads)
     images = vlm.images(job.num_images, job.seed)
     engine_args = {"cpu_tune_malloc": True, **job.engine_args}  # as `mm-engine` runs it
     llm = LLM(job.model, device=job.device, dtype=job.dtype, vision_dtype=job.dtype, **engine_args)
     warm = {"prompt": job.requests[0][1], "multi_modal_data": {"image": vlm.noise_image(0)}}
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    so = None if job.json_schema is None else StructuredOutputs(json=job.json_schema)
+    # (with a schema, the warm-up also compiles its grammar: compiles are cached per schema)
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, structured_outputs=so))
     prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, _, n in job.requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=so)
+        for _, _, n in job.requests
+    ]
     timers = _profile(llm.engine) if job.profile else None
     outs, seconds, rates = _timed(job, lambda: llm.generate(prompts, params))
     result = {
         "seconds": seconds,
         "matmul_flops_per_s": rates,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
         "prompt_ids": [list(o.prompt_token_ids) for o in outs],
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
         "encoded_images": llm.engine.stats()["num_encoded_images_total"] - 1,  # minus the warm-up's

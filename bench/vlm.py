@@ -60,16 +60,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MM_ENGINE_BENCH_CACHE", Path.home() / ".cache" / "mm-engine" / "bench"))
 
 
-def bench_model_path() -> Path:
-    """The benchmark checkpoint, built on first use (about a minute; 0.9 GB in float32)."""
-    path = cache_dir() / NAME
+def bench_model_path(byte_level: bool = False) -> Path:
+    """The benchmark checkpoint, built on first use (about a minute; 0.9 GB in float32).
+    `byte_level`: the same model with a byte-level BPE tokenizer, which can spell JSON
+    (structured output; the word-level one cannot)."""
+    name = f"{NAME}-bytelevel" if byte_level else NAME
+    path = cache_dir() / name
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"building the benchmark model into {path} (once) ...", flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = build_checkpoint(
-            Path(tmp) / NAME,
+            Path(tmp) / name,
             vision="siglip",
             text="llama",
             image_size=IMAGE_SIZE,
@@ -82,6 +85,7 @@ def bench_model_path() -> Path:
             # Wider than the default init so greedy picks have clear margins: ties would make the
             # engine-vs-transformers token check flaky on float rounding alone.
             weight_scale=2.0,
+            byte_level=byte_level,
         )
         shutil.move(str(built), path)
     return path
@@ -100,13 +104,15 @@ QWEN_TEXT_DIMS = dict(
     hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, max_position_embeddings=4096,
 )  # fmt: skip
-MODEL_ALIASES = ("bench", "bench-qwen2.5-vl")
+MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-qwen2.5-vl")
 
 
 def resolve_model(model: str | None) -> str:
     """A checkpoint folder as it is; `bench` (the default) or `bench-qwen2.5-vl`: built once."""
     if model in (None, "bench"):
         return str(bench_model_path())
+    if model == "bench-bytelevel":
+        return str(bench_model_path(byte_level=True))
     if model == "bench-qwen2.5-vl":
         return str(bench_qwen_model_path())
     return model

@@ -89,3 +89,22 @@ def test_offline_roofline_and_report_end_to_end(clip_llama, tmp_path, capsys):
     written = report.main(["--results", str(tmp_path)])
     assert sorted(p.name for p in written) == ["memory.png", "offline.png", "roofline.png", "serve.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_offline_json_schema_measures_structured_output_side_by_side(tmp_path):
+    from mm_engine.testing import build_checkpoint
+
+    model = build_checkpoint(tmp_path / "bytes", byte_level=True)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    res = offline.main(
+        ["--model", str(model), "--json-schema", str(tmp_path / "schema.json"), "--num-images", "4",
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--json", str(tmp_path / "so.json")]
+    )  # fmt: skip
+    assert res["mode"] == "json_schema" and res["num_requests"] == 4 and len(res["free_seconds_runs"]) == 2
+    assert res["json_schema_completed"] >= 1 and res["json_schema_valid"] == res["json_schema_completed"]
+    assert res["free_output_tokens"] > res["json_schema_output_tokens"] > 0  # the grammar ends them early
+    expected = res["free_output_tokens_per_s"] / res["json_schema_output_tokens_per_s"] - 1
+    assert res["overhead_per_token"] == pytest.approx(expected)
+    assert json.loads((tmp_path / "so.json").read_text())["overhead_per_token"] == res["overhead_per_token"]
