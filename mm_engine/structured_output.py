@@ -8,6 +8,10 @@ Compilation is the costly part (it walks the vocabulary) and runs off the engine
 holds a request back until its grammar is ready. The mask of a step's row needs every earlier
 token accepted, so with async scheduling such a step first reads the step in flight (as the
 penalties do). A spec that xgrammar cannot compile is a ValueError naming it.
+
+A JSON schema's grammar also forbids every token holding a control byte (below 0x20): xgrammar's
+length-bounded strings (`minLength`, `maxLength`) let raw ones in, which no JSON parser takes, and
+with compact separators no control byte is legal anywhere in the output.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +36,12 @@ def _xgr():
     return xgrammar
 
 
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    grammar: Any  # xgrammar's CompiledGrammar
+    allowed: torch.Tensor | None = None  # a bitmask row ANDed into every mask (None: no extra rule)
+
+
 class Grammars:
     """Compiled grammars of one vocabulary, by spec."""
 
@@ -40,6 +51,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.capacity = capacity
         self._compiler = None
+        self._no_control: torch.Tensor | None = None  # bitmask row of the tokens without control bytes
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mm-grammar")
@@ -48,6 +60,7 @@ class Grammars:
         if self._compiler is None:
             xgr = _xgr()
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
+            self._no_control = _packed_row([not any(b < 0x20 for b in t) for t in info.decoded_vocab])
             self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
         return self._compiler
 
@@ -80,19 +93,20 @@ class Grammars:
         compiler = self._get_compiler()
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                return Compiled(grammar, self._no_control)
             if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                return Compiled(compiler.compile_builtin_json_grammar())
             if kind == "regex":
-                return compiler.compile_regex(text)
+                return Compiled(compiler.compile_regex(text))
             if kind == "choice":
                 import json
 
                 xgr = _xgr()
                 choices = json.loads(text)
                 ebnf = "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
-                return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
-            return compiler.compile_grammar(text)
+                return Compiled(compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf)))
+            return Compiled(compiler.compile_grammar(text))
         except ValueError:
             raise
         except Exception as exc:  # xgrammar reports bad specs as RuntimeError and the like
@@ -114,15 +128,26 @@ def _first_line(exc: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0])[:300]
 
 
+def _packed_row(ok: list[bool]) -> torch.Tensor:
+    """Booleans per token as one row of xgrammar's bitmask (int32 words, token i at bit i % 32)."""
+    bits = torch.tensor(ok + [False] * (-len(ok) % 32), dtype=torch.int64).view(-1, 32)
+    words = (bits << torch.arange(32)).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 class GrammarState:
     """One request's place in its grammar."""
 
-    def __init__(self, compiled: Any) -> None:
-        self._matcher = _xgr().GrammarMatcher(compiled)
+    def __init__(self, compiled: Compiled) -> None:
+        self._matcher = _xgr().GrammarMatcher(compiled.grammar)
+        self._allowed = compiled.allowed
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of an xgrammar bitmask."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._allowed is not None:
+            n = min(bitmask.shape[1], self._allowed.numel())
+            bitmask[row, :n] &= self._allowed[:n]
 
     def accept(self, token: int) -> bool:
         return self._matcher.accept_token(token)

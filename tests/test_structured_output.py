@@ -153,3 +153,27 @@ def test_caption_json_schema_writes_the_parsed_object(bytelevel, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "no such type"}')
     assert main([*argv[:6], str(bad), *argv[7:], "--overwrite"]) == 2  # refused before any image
+
+
+def test_a_schema_never_lets_a_raw_control_character_in(bytelevel):
+    """xgrammar's length-bounded strings accept raw control bytes (invalid JSON); the engine
+    forbids every token holding one under a JSON schema."""
+    from transformers import AutoTokenizer
+
+    from mm_engine.structured_output import Grammars, GrammarState, allocate_bitmask
+
+    tok = AutoTokenizer.from_pretrained(bytelevel)
+    grammars = Grammars(lambda: tok, len(tok))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 20}}, "required": ["a"]}
+    state = GrammarState(grammars.compile(StructuredOutputs(json=schema)))
+    for t in tok('{"a": "x', add_special_tokens=False)["input_ids"]:
+        assert state.accept(t)
+    mask = allocate_bitmask(1, len(tok))
+    state.fill(mask, 0)
+
+    def allowed(token: int) -> bool:
+        return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
+
+    (control,) = tok("\x11", add_special_tokens=False)["input_ids"]
+    (letter,) = tok("y", add_special_tokens=False)["input_ids"]
+    assert allowed(letter) and not allowed(control)
