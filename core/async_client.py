@@ -120,7 +120,9 @@ class AsyncMPLLM(AsyncFrontend):
     def _start_cores(self, n: int) -> list[CoreClient]:
         """Start `n` core processes at once (each loads the model) and wait for all."""
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(CoreClient, self._core_config, self._max_image_tokens) for _ in range(n)]
+            # Each core its own rank: with tensor parallelism on CUDA, its own GPUs.
+            configs = [dataclasses.replace(self._core_config, data_parallel_rank=i) for i in range(n)]
+            futures = [pool.submit(CoreClient, c, self._max_image_tokens) for c in configs]
             clients, errors = [], []
             for f in futures:
                 try:

@@ -28,10 +28,12 @@ from mm_engine.faults import StepFailedError, is_device_fault
 from mm_engine.logit_adjust import row_contexts
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
+from mm_engine.parallel.executor import TensorParallel
+from mm_engine.parallel.ranks import kv_spec, rank_device
 from mm_engine.platform import make_platform
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
-from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, kv_memory_bytes, split_blocks
+from mm_engine.pools.kv_cache import KVCache, kv_memory_bytes, split_blocks
 from mm_engine.pools.swap import HostSwap
 from mm_engine.prompt_logprobs import prompt_logprobs
 from mm_engine.request import Request
@@ -49,12 +51,26 @@ class EngineCore(OverlappedSteps):
         """`max_image_tokens`: the per-image token cap (the frontend resolves its default, which
         depends on the family's processing)."""
         self.config = config
-        self.device = config.torch_device()
+        self.device = rank_device(config, 0) if config.parallel else config.torch_device()
+        self.max_image_tokens = max_image_tokens
         if self.device.type == "cpu" and config.cpu_tune_malloc:
             tune_malloc()
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
         self.platform = make_platform(self.device, config.attention_backend)
+        # Tensor parallelism: the workers start first, so that they load their shards meanwhile.
+        self.parallel = None
+        if config.parallel:
+            models.check_tensor_parallel(self.hf_config, config.tensor_parallel_size)
+            self.parallel = TensorParallel(config)
+        try:
+            self._build(config, path)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.close()
+            raise
+
+    def _build(self, config: EngineConfig, path) -> None:
         # Building the modules runs their random init (overwritten by the checkpoint): on a fork of
         # torch's RNG, so the caller's stream is where it was.
         cuda = [self.device] if self.device.type == "cuda" else []
@@ -67,20 +83,20 @@ class EngineCore(OverlappedSteps):
                 self.device,
                 self.platform,
                 pack_weights=config.cpu_packed_weights,
+                tp=self.parallel.group if self.parallel is not None else None,
             )
         text_cfg = self.hf_config.text_config
         self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
-        self.max_image_tokens = max_image_tokens
         lm = self.model.language_model
-        spec = KVCacheSpec(
-            len(lm.layers), text_cfg.num_key_value_heads, lm.head_dim, config.block_size, config.torch_dtype()
-        )
+        spec = kv_spec(config, text_cfg, lm, config.tensor_parallel_size)
         kv_bytes = kv_memory_bytes(
             config.kv_cache_memory_bytes, self.device, config.gpu_memory_utilization, CPU_DEFAULT_KV_BYTES
         )
         num_blocks = kv_bytes // spec.bytes_per_block
         if num_blocks < 2:
             raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
+        if self.parallel is not None:  # every rank holds its heads of the same blocks
+            self.parallel.share_num_blocks(num_blocks)
         n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
         self.kv = KVCache(spec, num_blocks, self.device, huge_page_empty if config.cpu_huge_pages else None)
         self.blocks = BlockManager(
@@ -92,12 +108,12 @@ class EngineCore(OverlappedSteps):
         )
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         # By default one step may encode at least one whole image, whatever the token budget.
-        default_budget = max(config.max_num_batched_tokens, max_image_tokens)
+        default_budget = max(config.max_num_batched_tokens, self.max_image_tokens)
         self.encoder_budget = config.max_num_encoder_tokens or default_budget
         emb = lm.embed_tokens
         self.admission = Admission(
             max_model_len=self.max_model_len,
-            max_image_tokens=max_image_tokens,
+            max_image_tokens=self.max_image_tokens,
             max_num_batched_tokens=config.max_num_batched_tokens,
             encoder_cache_bytes=self.encoder_cache.capacity_bytes,
             encoder_budget=self.encoder_budget,
@@ -121,6 +137,8 @@ class EngineCore(OverlappedSteps):
             whole_images=self.model.bidirectional_images,
         )
         self.runner = ModelRunner(self.model, self.kv, self.platform.backend, self.device, self.encoder_cache)
+        if self.parallel is not None:
+            self.runner.peers = self.parallel.send
         # The engine's own random stream for unseeded requests: torch's global RNG is the caller's.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
@@ -327,3 +345,5 @@ class EngineCore(OverlappedSteps):
             self._inflight = None
         if self.launcher is not None:
             self.launcher.close()
+        if self.parallel is not None:  # the workers stop with us
+            self.parallel.close()

@@ -59,6 +59,11 @@ class EngineConfig:
     # tokens are handed back meanwhile (core/launcher.py). None: on where it is measured to pay.
     async_scheduling: bool | None = None
     async_launch: str = "auto"  # "inline" (queued on the CUDA stream) or "thread"; auto: by device
+    # Tensor parallelism: the language model split over this many ranks (mm_engine/parallel):
+    # rank 0 is the engine core, the others worker processes (cuda:rank on a GPU, gloo on CPU).
+    tensor_parallel_size: int = 1
+    tensor_parallel_always: bool = False  # the parallel code path even at size 1 (a check of it)
+    data_parallel_rank: int = 0  # which engine core this is (set per core): its GPUs follow the earlier's
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +80,14 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.async_launch not in ("auto", "inline", "thread"):
             raise ValueError(f"async_launch must be 'auto', 'inline' or 'thread', got {self.async_launch!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size!r}")
+        if self.parallel:
+            if self.preemption_mode == "swap":
+                raise ValueError("preemption_mode 'swap' is not supported with tensor parallelism yet")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling is not supported with tensor parallelism yet")
+            self.async_scheduling = False
         if not 0.0 <= self.kv_watermark < 0.5:
             raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:
@@ -91,6 +104,11 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be 'auto' or one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
                 )
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the language model runs tensor-parallel (over rank 0 and worker processes)."""
+        return self.tensor_parallel_size > 1 or self.tensor_parallel_always
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs) -> EngineConfig:

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from mm_engine.parallel.group import ParallelError
+
 # Messages of CUDA-side failures that torch raises as a plain RuntimeError.
-_DEVICE_MARKERS = ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "CUDA driver error", "NCCL error")
+# A tensor-parallel collective whose peer died breaks the group for good as well.
+_DEVICE_MARKERS = ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "CUDA driver error", "NCCL error",
+                   "Connection closed by peer", "Gloo", "gloo")  # fmt: skip
 
 
 class StepFailedError(RuntimeError):
@@ -30,6 +34,6 @@ def is_device_fault(exc: BaseException) -> bool:
     """Does `exc` leave the accelerator unusable (as opposed to failing one batch)?"""
     if isinstance(exc, torch.OutOfMemoryError):
         return False
-    if isinstance(exc, torch.AcceleratorError):
+    if isinstance(exc, torch.AcceleratorError | ParallelError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_MARKERS)

@@ -18,6 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.parallel.group import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -89,15 +90,21 @@ def mrope_streams(section: list[int], interleaved: bool) -> list[int]:
 
 
 class Attention(nn.Module):
+    """With `tp`, this rank's share of the heads (q, k and v split by heads, column-parallel) and
+    of o_proj's input (row-parallel: the ranks' outputs are summed)."""
+
     def __init__(
-        self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False
-    ) -> None:
+        self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
+        world = tp.world if tp is not None else 1
         h, self.num_heads, self.num_kv_heads = (
             config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
+            config.num_attention_heads // world,
+            config.num_key_value_heads // world,
         )
+        self.tp = tp
         self.head_dim = head_dim
         self.q_proj = nn.Linear(h, self.num_heads * head_dim, bias=bias["q_proj"])
         self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["k_proj"])
@@ -139,15 +146,20 @@ class Attention(nn.Module):
         v = v.reshape(t, kvh, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config, bias: bool, ops: TorchOps = TORCH_OPS) -> None:
+    """With `tp`, gate and up split by columns, down by rows (the ranks' outputs are summed)."""
+
+    def __init__(self, config, bias: bool, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        width = config.intermediate_size // (tp.world if tp is not None else 1)
+        self.tp = tp
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"  # then silu(gate) * up is one op of `ops`
         self.gate_up_proj: nn.Linear | None = None
@@ -161,11 +173,13 @@ class MLP(nn.Module):
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
             if self.silu:
-                return self.down_proj(self.ops.silu_and_mul(gate_up))
+                out = self.down_proj(self.ops.silu_and_mul(gate_up))
+                return out if self.tp is None else self.tp.all_reduce(out)
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -186,11 +200,12 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False
-    ) -> None:
+        self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
+        tp: TPGroup | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm)
-        self.mlp = MLP(config, bias["mlp"], ops)
+        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm, tp)
+        self.mlp = MLP(config, bias["mlp"], ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -211,7 +226,8 @@ class DecoderLM(nn.Module):
     """Token embeddings, decoder layers, final norm and LM head. `forward` takes embeddings so that
     image features can be spliced in before the first layer; it uses them as the residual stream,
     so they are overwritten. `mrope_streams` and `qk_norm` are the Qwen VL line's (see Rotary,
-    Attention)."""
+    Attention). With `tp` every layer holds this rank's shard, and the embedding and the LM head
+    its share of the vocabulary (`embed_tokens` sums the ranks' lookups, `logits` gathers them)."""
 
     def __init__(
         self,
@@ -221,17 +237,24 @@ class DecoderLM(nn.Module):
         ops: TorchOps = TORCH_OPS,
         mrope_streams: list[int] | None = None,
         qk_norm: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = head_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.vocab_size = config.vocab_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, bias, ops, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, head_dim, bias, ops, qk_norm, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = Rotary(config, head_dim, mrope_streams)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tied_lm_head = tie_embeddings
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -260,4 +283,24 @@ class DecoderLM(nn.Module):
             layer.mlp.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.vocab_size]  # the last share is padded
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the vocabulary (padded to equal shares, so the LM head's logits gather
+    evenly); a token outside them contributes zeros, and the ranks' lookups are summed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
+        self.start, self.end = tp.shard(num_embeddings)
+        self.weight = nn.Parameter(torch.empty(-(-num_embeddings // tp.world), embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.end)
+        out = nn.functional.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        out.mul_(mine.unsqueeze(-1).to(out.dtype))
+        return self.tp.all_reduce(out)

@@ -15,6 +15,7 @@ is still on the device (`PLACEHOLDER` in the request's ids): `prepare` notes whe
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +73,8 @@ class ModelRunner:
         # index -> features. The runner's own state; the engine releases a request's when it is
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
+        # Tensor parallelism (rank 0): hands each forward's inputs to the workers first.
+        self.peers: Callable[[StepInputs], None] | None = None
 
     def execute(
         self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
@@ -201,6 +204,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """One forward over prepared inputs: logits of the rows that sample, and which items.
         `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
+        if self.peers is not None:
+            self.peers(inputs)
         if inputs.block_copies is not None:  # before this step writes any KV
             self.kv.copy_blocks(*inputs.block_copies)
         lm = self.model.language_model

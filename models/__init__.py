@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mm_engine.models.interface import MultimodalModel, Processing
+from mm_engine.parallel.group import TPGroup, check_divisible
 from mm_engine.platform import Platform
 
 # architecture -> (module, model class, processing class)
@@ -66,6 +67,13 @@ def check_config(config) -> None:
     mod.check_config(config)
 
 
+def check_tensor_parallel(config, world: int) -> None:
+    """Refuse, before any worker starts, a split the model cannot take."""
+    if architecture(config) == "Gemma3ForConditionalGeneration":
+        raise ValueError("tensor parallelism is not supported for Gemma 3 yet (its own decoder layers)")
+    check_divisible(config.text_config, world)
+
+
 def load_model(
     path: Path,
     config,
@@ -74,12 +82,14 @@ def load_model(
     device: torch.device,
     platform: Platform,
     pack_weights: bool = False,
+    tp: TPGroup | None = None,
 ) -> MultimodalModel:
     """The family's model on `platform`: its language model on the engine's paged layers and the
     platform's ops, its vision tower in `vision_dtype`. `pack_weights`: on CPU, linears run with
-    weights packed at load time (`mm_engine.packed_linear`)."""
+    weights packed at load time (`mm_engine.packed_linear`). `tp`: the language model's shard of
+    this tensor-parallel rank (the vision tower is whole on every rank)."""
     _, model_cls, _ = _family(config)
-    return model_cls.from_checkpoint(path, config, dtype, vision_dtype, device, platform, pack_weights)
+    return model_cls.from_checkpoint(path, config, dtype, vision_dtype, device, platform, pack_weights, tp)
 
 
 def make_processing(path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> Processing:

@@ -124,7 +124,9 @@ class Gemma3Model(TowerProjectorModel):
         return Gemma3MultiModalProjector
 
     @classmethod
-    def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform):
+    def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform, tp=None):
+        if tp is not None:
+            raise ValueError("tensor parallelism is not supported for Gemma 3 yet (its own decoder layers)")
         with torch.device(device), default_dtype(dtype):
             lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops)
         load_strict(lm, lm_state, "language model")

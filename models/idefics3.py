@@ -33,6 +33,7 @@ from mm_engine.models.weights import (
     ready,
     split_by_prefix,
 )
+from mm_engine.parallel.group import TPGroup
 from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
@@ -144,7 +145,7 @@ class Idefics3Model(MultimodalModel):
     @classmethod
     def from_checkpoint(
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
+        platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> MultimodalModel:  # fmt: skip
         if config.model_type == "smolvlm":
             from transformers.models.smolvlm import modeling_smolvlm as hf
@@ -155,7 +156,7 @@ class Idefics3Model(MultimodalModel):
 
             tower_cls, connector_cls = hf.Idefics3VisionTransformer, hf.Idefics3Connector
         parts = split_by_prefix(read_weights(path), _route, config.model_type)
-        lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops)
+        lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops, tp=tp)
         tower = tower_cls._from_config(config.vision_config).to(device=device, dtype=vision_dtype)
         load_strict(tower, parts.get("vision", {}), "vision tower")
         connector = connector_cls(config).to(device=device, dtype=dtype)  # in the LM's dtype

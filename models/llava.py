@@ -23,8 +23,16 @@ from transformers.activations import ACT2FN
 
 from mm_engine.layers import DecoderLM
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
-from mm_engine.models.weights import build_language_model, default_dtype, load_strict, read_weights, ready
+from mm_engine.models.weights import (
+    build_language_model,
+    default_dtype,
+    load_strict,
+    materialize,
+    read_weights,
+    ready,
+)
 from mm_engine.packed_linear import PackedLinear
+from mm_engine.parallel.group import TPGroup
 from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
@@ -139,10 +147,11 @@ class LlavaModel(MultimodalModel):
     @classmethod
     def from_checkpoint(
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
+        platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> LlavaModel:  # fmt: skip
         vision_state, projector_state, lm_state, extra = split_weights(read_weights(path), cls.extra_weights)
-        lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops)
+        extra = materialize(extra)
+        lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
         tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
         load_strict(tower, vision_state, "vision tower")
         with torch.device(device), default_dtype(dtype):

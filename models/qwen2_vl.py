@@ -34,6 +34,7 @@ from mm_engine.models.weights import (
     ready,
     split_by_prefix,
 )
+from mm_engine.parallel.group import TPGroup
 from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
@@ -164,13 +165,13 @@ class Qwen2VLModel(MultimodalModel):
     @classmethod
     def from_checkpoint(
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
+        platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> MultimodalModel:  # fmt: skip
         parts = split_by_prefix(read_weights(path), _route, cls.family)
         text = config.text_config
         streams = mrope_streams(text.rope_parameters["mrope_section"], cls.interleaved_mrope)
         lm = build_language_model(
-            parts.get("lm", {}), text, dtype, device, platform.ops, streams, cls.qk_norm
+            parts.get("lm", {}), text, dtype, device, platform.ops, streams, cls.qk_norm, tp
         )
         tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
         tower = tower.to(device=device, dtype=vision_dtype)

@@ -18,6 +18,7 @@ from mm_engine.models.weights import (
     route_tower_projector_lm,
     split_by_prefix,
 )
+from mm_engine.parallel.group import TPGroup
 from mm_engine.platform import Platform
 
 
@@ -41,16 +42,16 @@ class TowerProjectorModel(MultimodalModel):
         raise NotImplementedError
 
     @classmethod
-    def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform):
-        return build_language_model(lm_state, config.text_config, dtype, device, platform.ops)
+    def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform, tp=None):
+        return build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
 
     @classmethod
     def from_checkpoint(
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
-        platform: Platform, pack_weights: bool,
+        platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> MultimodalModel:  # fmt: skip
         parts = split_by_prefix(read_weights(path), route_tower_projector_lm, cls.family)
-        lm = cls.build_language_model(parts.get("lm", {}), config, dtype, device, platform)
+        lm = cls.build_language_model(parts.get("lm", {}), config, dtype, device, platform, tp)
         tower, projector = load_tower_and_projector(
             parts, config, cls.projector_class(), dtype, vision_dtype, device
         )

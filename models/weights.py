@@ -7,22 +7,52 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.layers import DecoderLM
+from mm_engine.parallel.group import TPGroup, check_divisible
+from mm_engine.parallel.shard import shard_state
 from mm_engine.platform import Platform, adapt_vision_tower, pack_model_linears
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
+class WeightRef:
+    """One tensor of a safetensors file, read when asked for: whole (`load`) or only a range
+    along one dimension (`load_range`, a tensor-parallel shard: the rest is never read)."""
+
+    __slots__ = ("_file", "key")
+
+    def __init__(self, file, key: str) -> None:
+        self._file, self.key = file, key
+
+    @property
+    def shape(self) -> list[int]:
+        return self._file.get_slice(self.key).get_shape()
+
+    def load(self) -> torch.Tensor:
+        return self._file.get_tensor(self.key)
+
+    def load_range(self, dim: int, start: int, end: int) -> torch.Tensor:
+        part = self._file.get_slice(self.key)
+        return part[start:end] if dim == 0 else part[:, start:end]
+
+
+def read_weights(path: Path) -> dict[str, WeightRef]:
+    """Every tensor of the checkpoint by name, as references: a family routes them to its parts
+    and each part reads what it needs (`materialize`, or a shard of the language model)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in the model folder {path.name!r}")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, WeightRef] = {}
     for f in files:
-        state.update(load_file(f))
+        handle = safe_open(f, framework="pt")
+        state.update({key: WeightRef(handle, key) for key in handle.keys()})  # noqa: SIM118 - not a dict
     return state
+
+
+def materialize(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.load() if isinstance(v, WeightRef) else v for k, v in state.items()}
 
 
 def split_by_prefix(
@@ -64,7 +94,7 @@ def default_dtype(dtype: torch.dtype):
 
 
 def load_strict(module: nn.Module, state: dict, what: str) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing, unexpected = module.load_state_dict(materialize(state), strict=False)
     # Buffers computed at init and a tied LM head are not stored in checkpoints.
     tied = getattr(module, "tied_lm_head", False)
     missing = [k for k in missing if not k.endswith("inv_freq") and not (tied and k == "lm_head.weight")]
@@ -82,16 +112,19 @@ def build_language_model(
     ops: TorchOps,
     mrope_streams: list[int] | None = None,
     qk_norm: bool = False,
+    tp: TPGroup | None = None,
 ) -> DecoderLM:
     """The engine's paged decoder with the checkpoint's weights; biases, Qwen3's q/k norms and a
-    tied head are read from the checkpoint itself."""
+    tied head are read from the checkpoint itself. With `tp`, this rank's shard, read as such."""
     bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     qk_norm = qk_norm or "layers.0.self_attn.q_norm.weight" in lm_state
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
     tie = "lm_head.weight" not in lm_state
+    if tp is not None:
+        check_divisible(text_config, tp.world)
     with torch.device(device), default_dtype(dtype):
-        lm = DecoderLM(text_config, bias, tie, ops, mrope_streams, qk_norm)
-    load_strict(lm, lm_state, "language model")
+        lm = DecoderLM(text_config, bias, tie, ops, mrope_streams, qk_norm, tp)
+    load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
     lm.fuse_projections()
     return lm
 

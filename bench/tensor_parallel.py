@@ -1,0 +1,78 @@
+"""Tensor parallelism side by side: the same offline job at each `--sizes` TP degree, in fresh
+processes, the machine's threads split evenly over the ranks (on a CPU the ranks share the cores:
+TP=2 on 2 cores is two 1-thread ranks against one 2-thread engine).
+
+    python -m bench.tensor_parallel [--sizes 1,2] [--workload caption] [--num-images 32]
+                                    [--device cpu|cuda] [--json bench/results/tensor_parallel.json]
+
+Reported per size: seconds, images/s, output tokens/s, the ratio to the first size, and whether
+its greedy tokens equal the first size's (they must, in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench import vlm
+from bench.machine import machine_info
+from bench.offline import workload_requests
+from bench.offline_runs import Job, engine_run, run_in_child
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1,2")
+    ap.add_argument("--workload", choices=["caption", "chat"], default="caption")
+    ap.add_argument("--num-images", type=int, default=32)
+    ap.add_argument("--model", default=None, help="a checkpoint folder, or bench (default)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="in all, over the ranks")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=1024**3, help="per rank")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    model = vlm.resolve_model(args.model)
+    requests = workload_requests(args.workload, args.num_images, 0, vlm.prompts_for(model))
+    dtype = "float16" if args.device != "cpu" else "float32"
+    rows, first_tokens, started = [], None, time.perf_counter()
+    for size in sizes:
+        engine_args = {"tensor_parallel_size": size, "kv_cache_memory_bytes": args.kv_cache_memory_bytes}
+        job = Job(model, max(1, args.threads // size), args.num_images, 0, requests, engine_args,
+                  rate_sizes=(512,), device=args.device, dtype=dtype)  # fmt: skip
+        run = run_in_child(engine_run, job)
+        tokens = sum(len(t) for t in run["tokens"])
+        first_tokens = first_tokens or run["tokens"]
+        rows.append({
+            "tensor_parallel_size": size, "threads_per_rank": job.threads, "seconds": run["seconds"],
+            "images_per_s": args.num_images / run["seconds"], "output_tokens_per_s": tokens / run["seconds"],
+            "tokens_equal_first": run["tokens"] == first_tokens, "peak_rss_mib_rank0": run["peak_rss_mib"],
+        })  # fmt: skip
+        print(f"  TP={size}: {run['seconds']:.1f} s", flush=True)
+    for r in rows:
+        r["ratio_to_first"] = rows[0]["seconds"] / r["seconds"]
+    result = {"workload": args.workload, "num_images": args.num_images, "device": args.device, "dtype": dtype,
+              "rows": rows, "machine": machine_info(), "wall_s": time.perf_counter() - started}  # fmt: skip
+    m = machine_info()
+    where = m["gpu"] if args.device != "cpu" else f"{m['cpu']}, {args.threads} threads in all"
+    print(f"\n### bench.tensor_parallel `{args.workload}`, {args.num_images} images ({m['date']}, {where})\n")
+    print("| TP | threads/rank | seconds | images/s | output tok/s | vs first | tokens equal |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['tensor_parallel_size']} | {r['threads_per_rank']} | {r['seconds']:.1f} | "
+              f"{r['images_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['ratio_to_first']:.2f}x | "
+              f"{r['tokens_equal_first']} |")  # fmt: skip
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if dtype == "float32" and not all(r["tokens_equal_first"] for r in rows):
+        raise SystemExit("a tensor-parallel size changed the greedy tokens")
+    return result
+
+
+if __name__ == "__main__":
+    main()

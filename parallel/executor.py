@@ -1,0 +1,129 @@
+"""Rank 0's side of tensor parallelism: it starts the worker processes, joins their group, tells
+them the KV block count, hands them every forward's inputs and stops them at the end.
+
+A worker that exits or a collective that fails leaves the group unusable: that is a
+`ParallelError` (reported as a device fault, so the engine stops and says why, and nothing
+hangs: a dead peer breaks the collective at once, a stuck one within COLLECTIVE_TIMEOUT).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import torch
+
+from mm_engine.config import EngineConfig
+from mm_engine.model_runner import StepInputs
+from mm_engine.parallel.group import COLLECTIVE_TIMEOUT, ParallelError, TPGroup, destroy_group, init_group
+from mm_engine.parallel.ranks import WorkerStart, rank_device
+from mm_engine.parallel.step_wire import Blocks, Start, Stop, send_step, write
+
+
+class TensorParallel:
+    def __init__(self, config: EngineConfig) -> None:
+        self.world = config.tensor_parallel_size
+        self.device = rank_device(config, 0)
+        last = rank_device(config, self.world - 1)
+        if last.type == "cuda" and last.index >= torch.cuda.device_count():
+            found = torch.cuda.device_count()
+            raise ValueError(f"tensor-parallel rank {self.world - 1} needs GPU {last.index}; {found} found")
+        port = _free_port()
+        threads = max(1, torch.get_num_threads() // self.world)
+        self._procs = [_spawn() for _ in range(1, self.world)]
+        weakref.finalize(self, _kill, self._procs)  # an engine collected unclosed leaves no worker
+        self._closed = False
+        try:
+            for rank, proc in enumerate(self._procs, start=1):
+                write(proc.stdin, Start(WorkerStart(config, rank, self.world, port, threads)))
+            self.group = self._join(port)
+        except BaseException:
+            _kill(self._procs)
+            raise
+
+    def _join(self, port: int) -> TPGroup:
+        """Rank 0 into the group, watching the workers: one that exits while the others wait is
+        an error at once, not a wait for the rendezvous to time out."""
+        result: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                result["group"] = init_group(0, self.world, port, self.device)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                result["error"] = exc
+
+        t = threading.Thread(target=join, name="mm-tp-join", daemon=True)
+        t.start()
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while t.is_alive():
+            t.join(0.1)
+            self._check_workers()
+            if time.monotonic() > deadline:
+                raise ParallelError("the tensor-parallel workers did not join in time")
+        if "error" in result:
+            raise ParallelError(f"tensor-parallel group failed to start: {result['error']}")
+        return result["group"]  # type: ignore[return-value]
+
+    def share_num_blocks(self, num_blocks: int) -> None:
+        self._tell(lambda pipes: [write(p, Blocks(num_blocks)) for p in pipes])
+
+    def send(self, inputs: StepInputs) -> None:
+        """Before rank 0's forward: the workers get the same inputs and run theirs alongside."""
+        self._tell(lambda pipes: send_step(pipes, inputs))
+
+    def _tell(self, fn) -> None:
+        self._check_workers()
+        try:
+            fn([p.stdin for p in self._procs])
+        except (BrokenPipeError, OSError) as exc:
+            self._check_workers()
+            raise ParallelError(f"a tensor-parallel worker is gone ({type(exc).__name__})") from None
+
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise ParallelError(f"tensor-parallel worker rank {rank} exited with code {code}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self._procs:
+            try:
+                write(proc.stdin, Stop())
+                proc.stdin.close()
+            except OSError:  # gone already
+                pass
+        try:
+            for proc in self._procs:
+                proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _kill(self._procs)
+            destroy_group()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _spawn() -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mm_engine.parallel.worker"], stdin=subprocess.PIPE, env=os.environ.copy()
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,120 @@
+"""What rank 0 tells the workers, and how: small msgspec messages over each worker's stdin pipe
+(its start-up settings, the KV block count, then one header per step: which tensors follow, their
+dtypes and shapes, the host-side numbers the attention backends read), and a step's tensors
+broadcast over the model's group right after its header. No pickle.
+
+A pipe, not a collective, carries what a worker waits for: a collective times out, and an engine
+may sit idle for hours; a pipe waits as long as rank 0 lives and ends (EOF) when it dies.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import BinaryIO
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.model_runner import StepInputs
+from mm_engine.parallel.ranks import WorkerStart
+
+# The tensors of StepInputs (and of its metadata) a worker's forward reads, by name.
+_TENSORS = ("ids", "positions", "embed_rows", "embed_feats", "logit_rows")
+_META = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")
+
+
+class TensorSpec(msgspec.Struct, array_like=True):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class Start(msgspec.Struct, tag=True):
+    settings: WorkerStart
+
+
+class Blocks(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class Step(msgspec.Struct, tag=True):
+    tensors: list[TensorSpec]
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+Message = Start | Blocks | Step | Stop
+_DTYPES = {str(d): d for d in (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16)}
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Message).decode
+_LEN = struct.Struct("<I")
+
+
+def write(pipe: BinaryIO, msg: Message) -> None:
+    raw = _encode(msg)
+    pipe.write(_LEN.pack(len(raw)) + raw)
+    pipe.flush()
+
+
+def read(pipe: BinaryIO) -> Message | None:
+    """The next message; None at EOF (rank 0 is gone)."""
+    head = pipe.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack(head)
+    raw = pipe.read(n)
+    return _decode(raw) if len(raw) == n else None
+
+
+def send_step(pipes: list[BinaryIO], inputs: StepInputs) -> None:
+    """Rank 0: the header to every worker, then the tensors over the group."""
+    named = _named(inputs)
+    meta = inputs.meta
+    header = Step(
+        [TensorSpec(n, str(t.dtype), list(t.shape)) for n, t in named],
+        meta.max_query_len, meta.max_seq_len, list(meta.query_lens_cpu), list(meta.seq_lens_cpu),
+    )  # fmt: skip
+    for pipe in pipes:
+        write(pipe, header)
+    for _, t in named:
+        dist.broadcast(t.contiguous(), src=0)
+
+
+def receive_step(header: Step, device: torch.device) -> StepInputs:
+    """A worker: the tensors that follow `header`, as the step's inputs on its device."""
+    got: dict[str, torch.Tensor] = {}
+    for spec in header.tensors:
+        t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=device)
+        dist.broadcast(t, src=0)
+        got[spec.name] = t
+
+    def pair(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (got[f"{name}.0"], got[f"{name}.1"]) if f"{name}.0" in got else None
+
+    meta = AttentionMetadata(
+        *(got[n] for n in _META), header.max_query_len, header.max_seq_len,
+        header.query_lens_cpu, header.seq_lens_cpu, pair("bidirectional"),
+    )  # fmt: skip
+    return StepInputs(
+        got["ids"], got["positions"], meta, got.get("embed_rows"), got.get("embed_feats"),
+        [], [], None, [], [], got.get("logit_rows"), pair("block_copies"),
+    )  # fmt: skip
+
+
+def _named(inputs: StepInputs) -> list[tuple[str, torch.Tensor]]:
+    if inputs.from_prev is not None:
+        raise ValueError("tensor parallelism runs without async scheduling: no input may be pending")
+    out = [(n, getattr(inputs, n)) for n in _TENSORS if getattr(inputs, n) is not None]
+    out += [(n, getattr(inputs.meta, n)) for n in _META]
+    for name, value in (("bidirectional", inputs.meta.bidirectional), ("block_copies", inputs.block_copies)):
+        if value is not None:
+            out += [(f"{name}.0", value[0]), (f"{name}.1", value[1])]
+    return out

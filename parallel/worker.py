@@ -1,0 +1,63 @@
+"""A tensor-parallel worker: rank r of N, started by rank 0 (parallel/executor.py) as
+`python -m mm_engine.parallel.worker`, told what it is over its stdin (parallel/step_wire.py).
+
+It loads its shard of the language model straight from the checkpoint, allocates its share of the
+KV heads for the block count rank 0 sends, then runs each step's forward on the inputs rank 0
+broadcasts, joining the layers' collectives, until told to stop or until rank 0 is gone (its
+stdin ends). It samples nothing and keeps no request state: the scheduler and the block tables
+are rank 0's alone.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from mm_engine import models
+from mm_engine.model_loader import load_config, resolve_model_path
+from mm_engine.model_runner import ModelRunner
+from mm_engine.parallel.group import destroy_group, init_group
+from mm_engine.parallel.ranks import kv_spec, rank_device
+from mm_engine.parallel.step_wire import Blocks, Start, Step, read, receive_step
+from mm_engine.platform import make_platform
+from mm_engine.pools.kv_cache import KVCache
+from mm_engine.vision.encoder_cache import EncoderCache
+
+
+def main() -> int:
+    pipe = sys.stdin.buffer
+    first = read(pipe)
+    if not isinstance(first, Start):
+        return 2
+    start = first.settings
+    config = start.config
+    torch.set_num_threads(start.threads)  # a process of our own: its threads are ours to set
+    device = rank_device(config, start.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = init_group(start.rank, start.world, start.port, device)
+    try:
+        path = resolve_model_path(config.model)
+        hf_config = load_config(path)
+        platform = make_platform(device, config.attention_backend)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model = models.load_model(
+                path, hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), device,
+                platform, pack_weights=config.cpu_packed_weights, tp=tp,
+            )  # fmt: skip
+        blocks = read(pipe)
+        if not isinstance(blocks, Blocks):
+            return 0
+        spec = kv_spec(config, hf_config.text_config, model.language_model, start.world)
+        runner = ModelRunner(model, KVCache(spec, blocks.num_blocks, device), platform.backend, device,
+                             EncoderCache(1))  # fmt: skip
+        while isinstance(msg := read(pipe), Step):
+            runner.forward(receive_step(msg, device))
+        return 0  # told to stop, or rank 0 is gone
+    finally:
+        destroy_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

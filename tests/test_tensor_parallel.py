@@ -1,0 +1,134 @@
+"""Tensor parallelism on CPU over gloo: TP=2 (rank 0 and one worker process, on the 2 cores) gives
+the greedy tokens of TP=1 for LLaVA and Qwen2-VL (transformers' too), through chunked prefill,
+prefix reuse with the partial-block copy, preemption and an abort; a split the model cannot take
+is refused before any worker starts; a worker that dies stops the engine with a device fault, at
+once, instead of a hang."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_image
+
+from mm_engine import LLM, SamplingParams
+from mm_engine.faults import StepFailedError
+
+TIGHT = dict(block_size=8, image_pool_fraction=0.4, max_num_batched_tokens=16)
+KV = 16 * 1024 * 20  # 20 blocks at TP=1; the same 20 blocks at TP=2 in half the bytes per rank
+
+
+def _prompts() -> list:
+    scene = {"image": [make_image(5)]}
+    return [
+        {"prompt": "USER: <image> describe the picture in many words ASSISTANT:", "multi_modal_data": scene},
+        {"prompt": "USER: <image> describe the picture in many words ASSISTANT:", "multi_modal_data": scene},
+        "USER: what is red and what is blue ASSISTANT:",
+        {"prompt": "USER: <image> what is this ASSISTANT:", "multi_modal_data": {"image": [make_image(6)]}},
+    ]
+
+
+def _tokens(llm: LLM, prompts, n: int = 20) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_llava_tp2_equals_tp1_through_chunks_reuse_and_preemption(clip_llama):
+    plain = LLM(clip_llama, kv_cache_memory_bytes=KV, **TIGHT)
+    expected = _tokens(plain, _prompts())
+    assert plain.kv_report()["text"]["preemptions"] + plain.kv_report()["image"]["preemptions"] > 0
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=KV // 2, **TIGHT)
+    try:
+        assert _tokens(llm, _prompts()) == expected
+        report = llm.kv_report()
+        assert report["text"]["preemptions"] + report["image"]["preemptions"] > 0  # tight pools: recompute
+        assert report["image"]["prefix_cache_hits"] + report["text"]["partial_block_copies"] > 0
+        assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
+    finally:
+        llm.close()
+
+
+def test_qwen2_vl_tp2_equals_transformers_and_survives_an_abort(vl_family):
+    from vl_helpers import family_prompt, greedy, mm
+
+    path, ref = vl_family("qwen2_vl")
+    cases = [(family_prompt("qwen2_vl", "describe", 1), [make_image(3, (40, 60))], 8),
+             (family_prompt("qwen2_vl", "hello there", 0), [], 6)]  # fmt: skip
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, block_size=8,
+              max_num_batched_tokens=16)  # fmt: skip
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
+        engine = llm.engine
+        engine.add_request(mm(*cases[0][:2]), greedy(30), request_id="gone")
+        engine.add_request(mm(*cases[1][:2]), greedy(6), request_id="kept")
+        finals, step = {}, 0
+        while engine.has_unfinished():
+            if step == 3:
+                engine.abort("gone")
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+            step += 1
+        assert (
+            list(finals) == ["kept"] and finals["kept"].outputs[0].token_ids == outs[1].outputs[0].token_ids
+        )
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    finally:
+        llm.close()
+
+
+def test_a_split_the_model_cannot_take_is_refused_before_any_worker(siglip_qwen2, clip_llama):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide .*num_key_value_heads"):
+        LLM(siglip_qwen2, tensor_parallel_size=2)  # one KV head
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLM(clip_llama, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="swap"):
+        LLM(clip_llama, tensor_parallel_size=2, preemption_mode="swap")
+
+
+def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama):
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2)
+    try:
+        engine = llm.engine
+        engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        worker = engine.parallel._procs[0]
+        worker.kill()
+        worker.wait()
+        with pytest.raises(StepFailedError) as info:
+            while engine.has_unfinished():
+                engine.step()
+        assert info.value.device_lost
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    finally:
+        llm.close()
+
+
+def test_it_composes_with_the_core_process_and_data_parallelism(clip_llama):
+    import asyncio
+
+    from mm_engine.core.async_client import AsyncMPLLM
+
+    kw = dict(kv_cache_memory_bytes=4 * 1024**2, block_size=8)
+    prompts = ["USER: what is red ASSISTANT:", "USER: what is blue and green ASSISTANT:"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(clip_llama, **kw).generate(prompts, params)]
+    mp = LLM(clip_llama, tensor_parallel_size=2, multiprocess=True, **kw)
+    try:
+        assert [o.outputs[0].token_ids for o in mp.generate(prompts, params)] == expected
+    finally:
+        mp.close()
+    llm = AsyncMPLLM.from_engine_args(clip_llama, data_parallel_size=2, tensor_parallel_size=2, **kw)
+
+    async def run(prompt: str, rid: str) -> list[int]:
+        inputs = await llm.process_prompt(prompt)
+        outs = [out async for out in llm.generate(inputs, params, request_id=rid)]
+        return outs[-1].outputs[0].token_ids
+
+    async def both() -> tuple[list, set]:
+        try:
+            got = await asyncio.gather(*(run(p, f"r{k}") for k, p in enumerate(prompts)))
+            return got, {len(s["per_core"]) for s in [llm.stats()]}
+        finally:
+            await llm.shutdown()
+
+    got, cores = asyncio.run(both())
+    assert got == expected and cores == {2}  # two cores, each over two ranks
