@@ -53,7 +53,7 @@ class TensorParallel:
 
         def join() -> None:
             try:
-                result["group"] = init_group(0, self.world, port, self.device)
+                result["group"] = init_group(0, self.world, port, self.device, self._workers_alive)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
                 result["error"] = exc
 
@@ -74,7 +74,7 @@ class TensorParallel:
 
     def send(self, inputs: StepInputs) -> None:
         """Before rank 0's forward: the workers get the same inputs and run theirs alongside."""
-        self._tell(lambda pipes: send_step(pipes, inputs))
+        self._tell(lambda pipes: send_step(pipes, inputs, self.group))
 
     def _tell(self, fn) -> None:
         self._check_workers()
@@ -83,6 +83,9 @@ class TensorParallel:
         except (BrokenPipeError, OSError) as exc:
             self._check_workers()
             raise ParallelError(f"a tensor-parallel worker is gone ({type(exc).__name__})") from None
+
+    def _workers_alive(self) -> bool:
+        return all(p.poll() is None for p in self._procs)
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):

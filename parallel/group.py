@@ -8,7 +8,10 @@ only run the language model's forward on their shard (parallel/worker.py).
 from __future__ import annotations
 
 import datetime
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,16 +31,30 @@ class TPGroup:
     world: int
     device: torch.device
 
+    shm: Any = None  # ShmCollectives for ranks on one CPU machine; None: torch.distributed's own
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (row-parallel outputs, vocab-parallel embeddings)."""
+        if self.shm is not None and self.shm.fits(x) and x.is_contiguous():
+            return self.shm.all_reduce(x)
         dist.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Each rank's `[..., n]` side by side along the last dimension (vocab-parallel logits)."""
+        x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return torch.cat(self.shm.all_gather(x), dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x)
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        """Rank 0's `x` into every rank's (a step's inputs)."""
+        if self.shm is not None and self.shm.fits(x) and x.is_contiguous():
+            self.shm.broadcast(x)
+        else:
+            dist.broadcast(x, src=0)
 
     def shard(self, size: int) -> tuple[int, int]:
         """[start, end) of this rank's share of `size` (the last share may be shorter)."""
@@ -46,8 +63,19 @@ class TPGroup:
         return start, min(size, start + per)
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device) -> TPGroup:
+def init_group(rank: int, world: int, port: int, device: torch.device, alive: Callable[[], bool]) -> TPGroup:
+    """Join the group of `world` ranks meeting at `port`. On a CPU the collectives go through
+    shared memory (parallel/shm_collectives.py); `alive` says whether the other ranks still are
+    (checked while one waits for them there)."""
+    from mm_engine.parallel import shm_collectives
+
     backend = "nccl" if device.type == "cuda" else "gloo"
+    path = f"/dev/shm/mm-engine-tp-{port}"
+    use_shm = device.type == "cpu" and world > 1 and shm_collectives.supported() and os.path.isdir("/dev/shm")
+    timeout = COLLECTIVE_TIMEOUT.total_seconds()
+    shm = None
+    if use_shm and rank == 0:  # made before anyone can get past the rendezvous below
+        shm = shm_collectives.ShmCollectives(path, 0, world, True, alive, timeout)
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -55,7 +83,13 @@ def init_group(rank: int, world: int, port: int, device: torch.device) -> TPGrou
         world_size=world,
         timeout=COLLECTIVE_TIMEOUT,
     )
-    return TPGroup(rank, world, device)
+    if use_shm:
+        if rank != 0:
+            shm = shm_collectives.ShmCollectives(path, rank, world, False, alive, timeout)
+        dist.barrier()  # everyone has it mapped: the name can go (nothing is left behind on a crash)
+        if rank == 0:
+            os.unlink(path)
+    return TPGroup(rank, world, device, shm)
 
 
 def destroy_group() -> None:

@@ -14,10 +14,10 @@ from typing import BinaryIO
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.model_runner import StepInputs
+from mm_engine.parallel.group import TPGroup
 from mm_engine.parallel.ranks import WorkerStart
 
 # The tensors of StepInputs (and of its metadata) a worker's forward reads, by name.
@@ -74,7 +74,7 @@ def read(pipe: BinaryIO) -> Message | None:
     return _decode(raw) if len(raw) == n else None
 
 
-def send_step(pipes: list[BinaryIO], inputs: StepInputs) -> None:
+def send_step(pipes: list[BinaryIO], inputs: StepInputs, group: TPGroup) -> None:
     """Rank 0: the header to every worker, then the tensors over the group."""
     named = _named(inputs)
     meta = inputs.meta
@@ -85,15 +85,15 @@ def send_step(pipes: list[BinaryIO], inputs: StepInputs) -> None:
     for pipe in pipes:
         write(pipe, header)
     for _, t in named:
-        dist.broadcast(t.contiguous(), src=0)
+        group.broadcast(t.contiguous())
 
 
-def receive_step(header: Step, device: torch.device) -> StepInputs:
+def receive_step(header: Step, group: TPGroup) -> StepInputs:
     """A worker: the tensors that follow `header`, as the step's inputs on its device."""
     got: dict[str, torch.Tensor] = {}
     for spec in header.tensors:
-        t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=device)
-        dist.broadcast(t, src=0)
+        t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=group.device)
+        group.broadcast(t)
         got[spec.name] = t
 
     def pair(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

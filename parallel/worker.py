@@ -10,6 +10,7 @@ are rank 0's alone.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -36,7 +37,8 @@ def main() -> int:
     device = rank_device(config, start.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = init_group(start.rank, start.world, start.port, device)
+    parent = os.getppid()  # rank 0: once it is gone, so is the group
+    tp = init_group(start.rank, start.world, start.port, device, lambda: os.getppid() == parent)
     try:
         path = resolve_model_path(config.model)
         hf_config = load_config(path)
@@ -53,7 +55,7 @@ def main() -> int:
         runner = ModelRunner(model, KVCache(spec, blocks.num_blocks, device), platform.backend, device,
                              EncoderCache(1))  # fmt: skip
         while isinstance(msg := read(pipe), Step):
-            runner.forward(receive_step(msg, device))
+            runner.forward(receive_step(msg, tp))
         return 0  # told to stop, or rank 0 is gone
     finally:
         destroy_group()
