@@ -44,6 +44,7 @@ TEXT_DIMS = dict(
     rope_theta=100000.0,
 )
 VOCAB = 49152
+EVEN_HEADS = dict(num_attention_heads=8, num_key_value_heads=4)  # head size 72
 
 CAPTION_PROMPT = "USER: <image> describe this image ASSISTANT:"
 CHAT_QUESTIONS = (
@@ -60,11 +61,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MM_ENGINE_BENCH_CACHE", Path.home() / ".cache" / "mm-engine" / "bench"))
 
 
-def bench_model_path(byte_level: bool = False) -> Path:
+def bench_model_path(byte_level: bool = False, even_heads: bool = False) -> Path:
     """The benchmark checkpoint, built on first use (about a minute; 0.9 GB in float32).
     `byte_level`: the same model with a byte-level BPE tokenizer, which can spell JSON
-    (structured output; the word-level one cannot)."""
-    name = f"{NAME}-bytelevel" if byte_level else NAME
+    (structured output; the word-level one cannot). `even_heads`: 8 query and 4 KV heads of 72
+    instead of 9 and 3 of 64, so that tensor parallelism can split it in 2 or 4."""
+    name = NAME + ("-bytelevel" if byte_level else "") + ("-even-heads" if even_heads else "")
     path = cache_dir() / name
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return path
@@ -80,7 +82,7 @@ def bench_model_path(byte_level: bool = False) -> Path:
             select_strategy="full",
             feature_layer=-1,
             vision_dims=VISION_DIMS,
-            text_dims=TEXT_DIMS,
+            text_dims={**TEXT_DIMS, **EVEN_HEADS} if even_heads else TEXT_DIMS,
             vocab_size=VOCAB,
             # Wider than the default init so greedy picks have clear margins: ties would make the
             # engine-vs-transformers token check flaky on float rounding alone.
@@ -104,7 +106,7 @@ QWEN_TEXT_DIMS = dict(
     hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, max_position_embeddings=4096,
 )  # fmt: skip
-MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-qwen2.5-vl")
+MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl")
 
 
 def resolve_model(model: str | None) -> str:
@@ -113,6 +115,8 @@ def resolve_model(model: str | None) -> str:
         return str(bench_model_path())
     if model == "bench-bytelevel":
         return str(bench_model_path(byte_level=True))
+    if model == "bench-even-heads":
+        return str(bench_model_path(even_heads=True))
     if model == "bench-qwen2.5-vl":
         return str(bench_qwen_model_path())
     return model
