@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 
 # The layout `pip install -e .` maps (pyproject's package-dir): mm_engine.kernels -> kernels/ ...
-for d in vision kernels pools sched api models core; do
+for d in vision kernels pools sched api models core parallel; do
     [ -e "mm_engine/$d" ] || ln -s "../$d" "mm_engine/$d"
 done
 
@@ -49,6 +49,10 @@ TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cac
 #     queued launches and the event the tokens are read behind, against the plain loop.
 TAIL=6 step async 120 $PY -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py \
     tests/test_structured_output.py tests/test_parallel_sampling.py tests/test_logit_adjust.py -k "not mrope"
+
+# 1a'. The tensor-parallel code path with one rank through NCCL (this machine has one GPU).
+TAIL=6 step tensor_parallel 60 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+    -k "size_one"
 
 # 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \

@@ -132,3 +132,21 @@ def test_it_composes_with_the_core_process_and_data_parallelism(clip_llama):
 
     got, cores = asyncio.run(both())
     assert got == expected and cores == {2}  # two cores, each over two ranks
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, device):
+    """`tensor_parallel_always`: the sharded layers, the wire and the group (gloo; NCCL on CUDA)
+    with one rank, against the engine without them."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here (bench/gpu_checks.sh runs this on a GPU)")
+    kw = dict(device=device, kv_cache_memory_bytes=8 * 1024**2, block_size=8)
+    expected = _tokens(LLM(clip_llama, **kw), _prompts())
+    llm = LLM(clip_llama, tensor_parallel_always=True, **kw)
+    try:
+        assert llm.engine.parallel is not None and llm.engine.parallel.group.world == 1
+        assert _tokens(llm, _prompts()) == expected
+    finally:
+        llm.close()
