@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from torch import nn
 
 from mm_engine import models
 from mm_engine.model_loader import load_config, resolve_model_path
@@ -24,6 +25,14 @@ from mm_engine.parallel.step_wire import Blocks, Start, Step, read, receive_step
 from mm_engine.platform import make_platform
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.vision.encoder_cache import EncoderCache
+
+
+def drop_vision(model: nn.Module) -> None:
+    """A worker never encodes (rank 0 sends the embeddings): its vision tower and connector go,
+    so that it holds its language-model shard and nothing else."""
+    for name, _ in list(model.named_children()):
+        if name != "language_model":
+            setattr(model, name, nn.Identity())
 
 
 def main() -> int:
@@ -48,6 +57,7 @@ def main() -> int:
                 path, hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), device,
                 platform, pack_weights=config.cpu_packed_weights, tp=tp,
             )  # fmt: skip
+        drop_vision(model)
         blocks = read(pipe)
         if not isinstance(blocks, Blocks):
             return 0

@@ -6,6 +6,8 @@ once, instead of a hang."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import make_image
 
@@ -150,3 +152,20 @@ def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, devic
         assert _tokens(llm, _prompts()) == expected
     finally:
         llm.close()
+
+
+def test_a_worker_keeps_only_its_language_model(vl_family):
+    import torch
+
+    from mm_engine import models
+    from mm_engine.model_loader import load_config
+    from mm_engine.parallel.worker import drop_vision
+    from mm_engine.platform import make_platform
+
+    path, _ = vl_family("qwen2_vl")
+    cpu = torch.device("cpu")
+    model = models.load_model(Path(path), load_config(Path(path)), torch.float32, torch.float32, cpu,
+                              make_platform(cpu, "torch"))  # fmt: skip
+    assert any(not n.startswith("language_model.") for n, _ in model.named_parameters())
+    drop_vision(model)
+    assert all(n.startswith("language_model.") for n, _ in model.named_parameters())
