@@ -74,7 +74,7 @@ class ModelRunner:
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
         # Tensor parallelism (rank 0): hands each forward's inputs to the workers first.
-        self.peers: Callable[[StepInputs], None] | None = None
+        self.peers: Callable[[StepInputs, torch.Tensor | None], None] | None = None
 
     def execute(
         self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
@@ -204,8 +204,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """One forward over prepared inputs: logits of the rows that sample, and which items.
         `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
-        if self.peers is not None:
-            self.peers(inputs)
+        if self.peers is not None:  # in the forward's own order (the CUDA stream, the launcher thread)
+            self.peers(inputs, prev_tokens if inputs.from_prev is not None else None)
         if inputs.block_copies is not None:  # before this step writes any KV
             self.kv.copy_blocks(*inputs.block_copies)
         lm = self.model.language_model

@@ -72,9 +72,9 @@ class TensorParallel:
     def share_num_blocks(self, num_blocks: int) -> None:
         self._tell(lambda pipes: [write(p, Blocks(num_blocks)) for p in pipes])
 
-    def send(self, inputs: StepInputs) -> None:
+    def send(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> None:
         """Before rank 0's forward: the workers get the same inputs and run theirs alongside."""
-        self._tell(lambda pipes: send_step(pipes, inputs, self.group))
+        self._tell(lambda pipes: send_step(pipes, inputs, self.group, prev_tokens))
 
     def _tell(self, fn) -> None:
         self._check_workers()

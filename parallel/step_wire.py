@@ -74,9 +74,13 @@ def read(pipe: BinaryIO) -> Message | None:
     return _decode(raw) if len(raw) == n else None
 
 
-def send_step(pipes: list[BinaryIO], inputs: StepInputs, group: TPGroup) -> None:
-    """Rank 0: the header to every worker, then the tensors over the group."""
-    named = _named(inputs)
+def send_step(
+    pipes: list[BinaryIO], inputs: StepInputs, group: TPGroup, prev_tokens: torch.Tensor | None = None
+) -> None:
+    """Rank 0: the header to every worker, then the tensors over the group. With async
+    scheduling an input may be the previous step's sampled token, still on the device: those
+    tokens (`prev_tokens`) go too, in the device's order, so nobody waits for them on the host."""
+    named = _named(inputs, prev_tokens)
     meta = inputs.meta
     header = Step(
         [TensorSpec(n, str(t.dtype), list(t.shape)) for n, t in named],
@@ -88,8 +92,9 @@ def send_step(pipes: list[BinaryIO], inputs: StepInputs, group: TPGroup) -> None
         group.broadcast(t.contiguous())
 
 
-def receive_step(header: Step, group: TPGroup) -> StepInputs:
-    """A worker: the tensors that follow `header`, as the step's inputs on its device."""
+def receive_step(header: Step, group: TPGroup) -> tuple[StepInputs, torch.Tensor | None]:
+    """A worker: the tensors that follow `header`, as the step's inputs on its device, and the
+    previous step's sampled tokens where an input takes one."""
     got: dict[str, torch.Tensor] = {}
     for spec in header.tensors:
         t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=group.device)
@@ -103,18 +108,23 @@ def receive_step(header: Step, group: TPGroup) -> StepInputs:
         *(got[n] for n in _META), header.max_query_len, header.max_seq_len,
         header.query_lens_cpu, header.seq_lens_cpu, pair("bidirectional"),
     )  # fmt: skip
-    return StepInputs(
+    inputs = StepInputs(
         got["ids"], got["positions"], meta, got.get("embed_rows"), got.get("embed_feats"),
-        [], [], None, [], [], got.get("logit_rows"), pair("block_copies"),
+        [], [], pair("from_prev"), [], [], got.get("logit_rows"), pair("block_copies"),
     )  # fmt: skip
+    return inputs, got.get("prev_tokens")
 
 
-def _named(inputs: StepInputs) -> list[tuple[str, torch.Tensor]]:
-    if inputs.from_prev is not None:
-        raise ValueError("tensor parallelism runs without async scheduling: no input may be pending")
+def _named(inputs: StepInputs, prev_tokens: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
     out = [(n, getattr(inputs, n)) for n in _TENSORS if getattr(inputs, n) is not None]
     out += [(n, getattr(inputs.meta, n)) for n in _META]
-    for name, value in (("bidirectional", inputs.meta.bidirectional), ("block_copies", inputs.block_copies)):
+    pairs = (("bidirectional", inputs.meta.bidirectional), ("block_copies", inputs.block_copies),
+             ("from_prev", inputs.from_prev))  # fmt: skip
+    for name, value in pairs:
         if value is not None:
             out += [(f"{name}.0", value[0]), (f"{name}.1", value[1])]
+    if inputs.from_prev is not None:
+        if prev_tokens is None:
+            raise ValueError("these inputs take the previous step's tokens; pass prev_tokens")
+        out.append(("prev_tokens", prev_tokens))
     return out

@@ -65,7 +65,7 @@ def main() -> int:
         runner = ModelRunner(model, KVCache(spec, blocks.num_blocks, device), platform.backend, device,
                              EncoderCache(1))  # fmt: skip
         while isinstance(msg := read(pipe), Step):
-            runner.forward(receive_step(msg, tp))
+            runner.forward(*receive_step(msg, tp))
         return 0  # told to stop, or rank 0 is gone
     finally:
         destroy_group()

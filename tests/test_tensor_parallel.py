@@ -169,3 +169,17 @@ def test_a_worker_keeps_only_its_language_model(vl_family):
     assert any(not n.startswith("language_model.") for n, _ in model.named_parameters())
     drop_vision(model)
     assert all(n.startswith("language_model.") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_async_scheduling_over_the_ranks(clip_llama, mode):
+    """A decode whose input is the previous step's token still on the device: the workers get
+    those tokens with the step (in the forward's order), so async scheduling composes with TP."""
+    kw = dict(kv_cache_memory_bytes=8 * 1024**2, block_size=8)
+    expected = _tokens(LLM(clip_llama, **kw), _prompts())
+    llm = LLM(clip_llama, tensor_parallel_size=2, async_scheduling=True, async_launch=mode, **kw)
+    try:
+        assert llm.engine.launcher is not None
+        assert _tokens(llm, _prompts()) == expected
+    finally:
+        llm.close()
