@@ -124,7 +124,11 @@ class EngineCore(OverlappedSteps):
         policy = make_policy(
             config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
         )
-        self.swap = HostSwap(self.kv, config.swap_space_bytes) if config.preemption_mode == "swap" else None
+        self.swap = (
+            HostSwap(self.kv, config.swap_space_bytes, mirror=self.parallel)
+            if config.preemption_mode == "swap"
+            else None
+        )
         self.scheduler = Scheduler(
             self.blocks,
             policy,

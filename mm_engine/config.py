@@ -82,8 +82,6 @@ class EngineConfig:
             raise ValueError(f"async_launch must be 'auto', 'inline' or 'thread', got {self.async_launch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size!r}")
-        if self.parallel and self.preemption_mode == "swap":
-            raise ValueError("preemption_mode 'swap' is not supported with tensor parallelism yet")
         if not 0.0 <= self.kv_watermark < 0.5:
             raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:

@@ -22,7 +22,7 @@ from mm_engine.config import EngineConfig
 from mm_engine.model_runner import StepInputs
 from mm_engine.parallel.group import COLLECTIVE_TIMEOUT, ParallelError, TPGroup, destroy_group, init_group
 from mm_engine.parallel.ranks import WorkerStart, rank_device
-from mm_engine.parallel.step_wire import Blocks, Start, Stop, send_step, write
+from mm_engine.parallel.step_wire import Blocks, Start, Stop, SwapDrop, SwapIn, SwapOut, send_step, write
 
 
 class TensorParallel:
@@ -75,6 +75,16 @@ class TensorParallel:
     def send(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> None:
         """Before rank 0's forward: the workers get the same inputs and run theirs alongside."""
         self._tell(lambda pipes: send_step(pipes, inputs, self.group, prev_tokens))
+
+    # Swap preemption (pools/swap.py's SwapMirror): each worker repeats rank 0's swaps on its heads.
+    def swap_out(self, request_id: str, blocks: list[int]) -> None:
+        self._tell(lambda pipes: [write(p, SwapOut(request_id, blocks)) for p in pipes])
+
+    def swap_in(self, request_id: str, blocks: list[int]) -> None:
+        self._tell(lambda pipes: [write(p, SwapIn(request_id, blocks)) for p in pipes])
+
+    def drop(self, request_id: str) -> None:
+        self._tell(lambda pipes: [write(p, SwapDrop(request_id)) for p in pipes])
 
     def _tell(self, fn) -> None:
         self._check_workers()

@@ -1,7 +1,8 @@
 """What rank 0 tells the workers, and how: small msgspec messages over each worker's stdin pipe
 (its start-up settings, the KV block count, then one header per step: which tensors follow, their
-dtypes and shapes, the host-side numbers the attention backends read), and a step's tensors
-broadcast over the model's group right after its header. No pickle.
+dtypes and shapes, the host-side numbers the attention backends read; and the swaps rank 0 makes,
+which a worker repeats on its own KV heads), and a step's tensors broadcast over the model's group
+right after its header. No pickle.
 
 A pipe, not a collective, carries what a worker waits for: a collective times out, and an engine
 may sit idle for hours; a pipe waits as long as rank 0 lives and ends (EOF) when it dies.
@@ -47,11 +48,25 @@ class Step(msgspec.Struct, tag=True):
     seq_lens_cpu: list[int]
 
 
+class SwapOut(msgspec.Struct, tag=True):  # rank 0 swapped these blocks of a request to host memory
+    request_id: str
+    blocks: list[int]
+
+
+class SwapIn(msgspec.Struct, tag=True):  # ... and back into these blocks
+    request_id: str
+    blocks: list[int]
+
+
+class SwapDrop(msgspec.Struct, tag=True):  # ... or dropped its host copy
+    request_id: str
+
+
 class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Message = Start | Blocks | Step | Stop
+Message = Start | Blocks | Step | SwapOut | SwapIn | SwapDrop | Stop
 _DTYPES = {str(d): d for d in (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16)}
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Message).decode

@@ -21,9 +21,10 @@ from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.parallel.group import destroy_group, init_group
 from mm_engine.parallel.ranks import kv_spec, rank_device
-from mm_engine.parallel.step_wire import Blocks, Start, Step, read, receive_step
+from mm_engine.parallel.step_wire import Blocks, Start, Step, SwapDrop, SwapIn, SwapOut, read, receive_step
 from mm_engine.platform import make_platform
 from mm_engine.pools.kv_cache import KVCache
+from mm_engine.pools.swap import MirroredSwap
 from mm_engine.vision.encoder_cache import EncoderCache
 
 
@@ -62,10 +63,20 @@ def main() -> int:
         if not isinstance(blocks, Blocks):
             return 0
         spec = kv_spec(config, hf_config.text_config, model.language_model, start.world)
-        runner = ModelRunner(model, KVCache(spec, blocks.num_blocks, device), platform.backend, device,
-                             EncoderCache(1))  # fmt: skip
-        while isinstance(msg := read(pipe), Step):
-            runner.forward(*receive_step(msg, tp))
+        kv = KVCache(spec, blocks.num_blocks, device)
+        runner = ModelRunner(model, kv, platform.backend, device, EncoderCache(1))
+        swap = MirroredSwap(kv)
+        while (msg := read(pipe)) is not None:
+            if isinstance(msg, Step):
+                runner.forward(*receive_step(msg, tp))
+            elif isinstance(msg, SwapOut):
+                swap.swap_out(msg.request_id, msg.blocks)
+            elif isinstance(msg, SwapIn):
+                swap.swap_in(msg.request_id, msg.blocks)
+            elif isinstance(msg, SwapDrop):
+                swap.drop(msg.request_id)
+            else:
+                break
         return 0  # told to stop, or rank 0 is gone
     finally:
         destroy_group()

@@ -9,6 +9,7 @@ host copies of requests that hold none; those fall back to recompute.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,9 +25,18 @@ class SwappedKV:
     nbytes: int
 
 
+class SwapMirror(Protocol):
+    """Where the same swaps are repeated (tensor-parallel workers, each for its own KV heads)."""
+
+    def swap_out(self, request_id: str, blocks: list[int]) -> None: ...
+    def swap_in(self, request_id: str, blocks: list[int]) -> None: ...
+    def drop(self, request_id: str) -> None: ...
+
+
 class HostSwap:
-    def __init__(self, kv: KVCache, capacity_bytes: int) -> None:
+    def __init__(self, kv: KVCache, capacity_bytes: int, mirror: SwapMirror | None = None) -> None:
         self.kv = kv
+        self.mirror = mirror
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._store: dict[str, SwappedKV] = {}  # request id -> its KV on host, oldest first
@@ -58,6 +68,8 @@ class HostSwap:
         self._store[request_id] = SwappedKV(k, v, num_computed, has_image_blocks, nbytes)
         self.used_bytes += nbytes
         self.swapped_out_blocks += len(blocks)
+        if self.mirror is not None:
+            self.mirror.swap_out(request_id, list(blocks))
         return True
 
     def num_computed(self, request_id: str) -> int:
@@ -74,8 +86,37 @@ class HostSwap:
         for layer, saved in zip(self.kv.v, s.v, strict=True):
             layer.index_copy_(0, idx, saved.to(layer.device))
         self.swapped_in_blocks += len(blocks)
+        if self.mirror is not None:
+            self.mirror.swap_in(request_id, list(blocks))
 
     def drop(self, request_id: str) -> None:
         s = self._store.pop(request_id, None)
         if s is not None:
             self.used_bytes -= s.nbytes
+            if self.mirror is not None:
+                self.mirror.drop(request_id)
+
+
+class MirroredSwap:
+    """A worker's side of `HostSwap`: the same swaps on its own KV heads, as rank 0 decides them."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self._store: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def swap_out(self, request_id: str, blocks: list[int]) -> None:
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
+        self._store[request_id] = (
+            [layer.index_select(0, idx).to("cpu") for layer in self.kv.k],
+            [layer.index_select(0, idx).to("cpu") for layer in self.kv.v],
+        )
+
+    def swap_in(self, request_id: str, blocks: list[int]) -> None:
+        k, v = self._store.pop(request_id)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
+        for layers, saved in ((self.kv.k, k), (self.kv.v, v)):
+            for layer, host in zip(layers, saved, strict=True):
+                layer.index_copy_(0, idx, host.to(layer.device))
+
+    def drop(self, request_id: str) -> None:
+        self._store.pop(request_id, None)

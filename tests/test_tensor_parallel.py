@@ -1,8 +1,8 @@
-"""Tensor parallelism on CPU over gloo: TP=2 (rank 0 and one worker process, on the 2 cores) gives
-the greedy tokens of TP=1 for LLaVA and Qwen2-VL (transformers' too), through chunked prefill,
-prefix reuse with the partial-block copy, preemption and an abort; a split the model cannot take
-is refused before any worker starts; a worker that dies stops the engine with a device fault, at
-once, instead of a hang."""
+"""Tensor parallelism on CPU: TP=2 (rank 0 and one worker process, on the 2 cores) gives the greedy
+tokens of TP=1 for LLaVA and Qwen2-VL (transformers' too), through chunked prefill, prefix reuse
+with the partial-block copy, preemption (recompute and swap), async scheduling and an abort; a
+split the model cannot take is refused before any worker starts; a worker that dies stops the
+engine with a device fault, at once, instead of a hang."""
 
 from __future__ import annotations
 
@@ -82,8 +82,6 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_worker(siglip_qwen2
         LLM(siglip_qwen2, tensor_parallel_size=2)  # one KV head
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
         LLM(clip_llama, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="swap"):
-        LLM(clip_llama, tensor_parallel_size=2, preemption_mode="swap")
 
 
 def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama):
@@ -181,5 +179,21 @@ def test_async_scheduling_over_the_ranks(clip_llama, mode):
     try:
         assert llm.engine.launcher is not None
         assert _tokens(llm, _prompts()) == expected
+    finally:
+        llm.close()
+
+
+def test_swap_preemption_over_the_ranks(clip_llama):
+    """Each worker repeats rank 0's swaps on its own KV heads (out, in, dropped)."""
+    kw = dict(preemption_mode="swap", **TIGHT)
+    plain = LLM(clip_llama, kv_cache_memory_bytes=KV, **kw)
+    expected = _tokens(plain, _prompts())
+    assert plain.kv_report()["swap"]["swapped_in_blocks"] > 0
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=KV // 2, **kw)
+    try:
+        assert _tokens(llm, _prompts()) == expected
+        report = llm.kv_report()
+        assert report["swap"]["swapped_in_blocks"] == plain.kv_report()["swap"]["swapped_in_blocks"]
+        assert report["swap"]["host_bytes_used"] == 0
     finally:
         llm.close()
