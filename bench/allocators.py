@@ -3,6 +3,10 @@
 four settings in turn, `--rounds` times (so drift spreads over all of them).
 
     python -m bench.allocators [--num-images 32] [--rounds 2] [--json bench/results/allocators.json]
+    python -m bench.allocators --serve [--num-prompts 24] [--json bench/results/allocators_serve.json]
+
+`--serve`: the same four settings on `bench.serve` instead (a server per setting, started with
+the allocator in its environment; `--no-cpu-tune-malloc` for the untuned ones), one replay each.
 
 jemalloc comes in as the container's entrypoint brings it (LD_PRELOAD, and its MALLOC_CONF);
 under jemalloc the engine's tuning (glibc's mallopt) has nothing to tune, so it is measured both
@@ -13,6 +17,7 @@ glibc with the tuning (what `mm-engine` runs by default).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -50,30 +55,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--serve", action="store_true", help="measure on bench.serve instead")
+    ap.add_argument("--num-prompts", type=int, default=24, help="with --serve")
     args = ap.parse_args(argv)
     if not Path(JEMALLOC).exists():
         raise SystemExit(f"no {JEMALLOC}: apt-get install libjemalloc2")
+    if args.serve:
+        return serve(args)
     model = vlm.resolve_model(args.model)
     requests = workload_requests("caption", args.num_images, 0, vlm.prompts_for(model))
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_CONF")}
-    try:
+    with _restored_env():
         for _ in range(args.rounds):
             for name, (env, tuned) in SETTINGS.items():
-                for key in ("LD_PRELOAD", "MALLOC_CONF"):
-                    os.environ.pop(key, None)
-                for key, value in env.items():
-                    os.environ[key] = value if value is not None else jemalloc_conf()
+                _set_allocator(env)
                 engine_args = {"cpu_tune_malloc": tuned, "kv_cache_memory_bytes": 1024**3}
                 job = Job(model, args.threads, args.num_images, 0, requests, engine_args, rate_sizes=(512,))
                 run = run_in_child(engine_run, job)
                 runs[name].append({"seconds": run["seconds"], "peak_rss_mib": run["peak_rss_mib"]})
                 print(f"  {name}: {run['seconds']:.1f} s", flush=True)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None)
-            if value is not None:
-                os.environ[key] = value
     rows = {}
     for name, rs in runs.items():
         seconds = sum(r["seconds"] for r in rs) / len(rs)
@@ -97,6 +97,64 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def serve(args: argparse.Namespace) -> dict:
+    from bench import serve as bench_serve
+
+    sargs = bench_serve.parse_args(["--num-prompts", str(args.num_prompts), "--request-rate", "inf",
+                                    "--max-concurrency", "8", "--max-output-tokens", "64"])  # fmt: skip
+    if args.model:
+        sargs.model = args.model
+    trace, n_images = bench_serve.make_trace(sargs)
+    pngs = bench_serve.png_bytes(n_images, sargs.seed)
+    keys = ("request_throughput", "output_throughput", "median_ttft_ms", "median_itl_ms", "p99_itl_ms")
+    rows = {}
+    with _restored_env():
+        for name, (env, tuned) in SETTINGS.items():
+            _set_allocator(env)
+            sargs.server_args = "" if tuned else "--no-cpu-tune-malloc"
+            metrics = bench_serve.run_once(sargs, trace, pngs, n_images)["metrics"]["overall"]
+            rows[name] = {k: metrics.get(k) for k in keys}
+    base = rows["glibc_tuned"]["output_throughput"]
+    for row in rows.values():
+        row["throughput_vs_glibc_tuned"] = row["output_throughput"] / base
+    result = {"serve": True, "num_prompts": args.num_prompts, "malloc_conf": jemalloc_conf(), "rows": rows,
+              "machine": machine_info()}  # fmt: skip
+    m = result["machine"]
+    print(f"\n### bench.allocators --serve: {args.num_prompts} requests ({m['date']}, {m['cpu']})\n")
+    print(
+        "| allocator | output tok/s | req/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | vs glibc tuned |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} | "
+              f"{r['median_ttft_ms']:.0f} | {r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | "
+              f"{r['throughput_vs_glibc_tuned']:.3f}x |")  # fmt: skip
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _set_allocator(env: dict) -> None:
+    """This process's environment as the next child (engine run or server) should start with."""
+    for key in ("LD_PRELOAD", "MALLOC_CONF"):
+        os.environ.pop(key, None)
+    for key, value in env.items():
+        os.environ[key] = value if value is not None else jemalloc_conf()
+
+
+@contextlib.contextmanager
+def _restored_env():
+    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_CONF")}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
 
 
 if __name__ == "__main__":
