@@ -32,7 +32,7 @@ from pathlib import Path
 
 from mm_engine.cli import engine_kwargs
 from mm_engine.config import EngineConfig
-from mm_engine.core.client import spawn_core
+from mm_engine.core.client import core_config, spawn_core
 from mm_engine.core.process import StartUp
 from mm_engine.frontend import build_frontend
 from mm_engine.model_loader import load_config, resolve_model_path
@@ -76,7 +76,9 @@ class Supervisor:
 
     def _start_core(self, i: int) -> subprocess.Popen:
         ins, outs = core_addresses(self.run_dir, i, self.servers_n)
-        return spawn_core(StartUp(self.config, self.max_image_tokens, ins, outs))
+        return spawn_core(
+            StartUp(core_config(self.config, i, self.cores_n), self.max_image_tokens, ins, outs)
+        )
 
     def _start_server(self, j: int) -> subprocess.Popen:
         fd = self.sock.fileno()

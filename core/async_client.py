@@ -38,7 +38,7 @@ from mm_engine.async_types import (
 )
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
-from mm_engine.core.client import AttachedCore, CoreClient
+from mm_engine.core.client import AttachedCore, CoreClient, core_config
 from mm_engine.core.cores import CoreHandle, route
 from mm_engine.core.pixels import PixelLedger
 from mm_engine.core.stats import sum_stats
@@ -120,8 +120,7 @@ class AsyncMPLLM(AsyncFrontend):
     def _start_cores(self, n: int) -> list[CoreClient]:
         """Start `n` core processes at once (each loads the model) and wait for all."""
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            # Each core its own rank: with tensor parallelism on CUDA, its own GPUs.
-            configs = [dataclasses.replace(self._core_config, data_parallel_rank=i) for i in range(n)]
+            configs = [core_config(self._core_config, i, n) for i in range(n)]
             futures = [pool.submit(CoreClient, c, self._max_image_tokens) for c in configs]
             clients, errors = [], []
             for f in futures:

@@ -20,11 +20,23 @@ import threading
 import time
 
 import msgspec
+import torch
 import zmq
 
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
 from mm_engine.core.process import StartUp
+
+
+def core_config(config: EngineConfig, index: int, count: int) -> EngineConfig:
+    """The settings of engine core `index` of `count`: its data-parallel rank (with tensor
+    parallelism on CUDA, its own GPUs) and, on a CPU, its share of the cores (several processes
+    with a thread per core each oversubscribe them)."""
+    threads = config.cpu_threads
+    ranks = count * config.tensor_parallel_size
+    if threads is None and ranks > 1 and config.torch_device().type == "cpu":
+        threads = max(1, torch.get_num_threads() // ranks)
+    return dataclasses.replace(config, data_parallel_rank=index, cpu_threads=threads)
 
 
 def spawn_core(start: StartUp) -> subprocess.Popen:

@@ -20,6 +20,7 @@ import time
 import traceback
 
 import msgspec
+import torch
 import zmq
 
 from mm_engine.config import EngineConfig
@@ -169,6 +170,8 @@ class CoreProcess:
 
 def main() -> int:
     start = msgspec.json.decode(sys.stdin.buffer.read(), type=StartUp)
+    if start.config.cpu_threads is not None:  # a process of our own: its threads are ours to set
+        torch.set_num_threads(start.config.cpu_threads)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     for addr in start.in_addrs:

@@ -64,6 +64,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_always: bool = False  # the parallel code path even at size 1 (a check of it)
     data_parallel_rank: int = 0  # which engine core this is (set per core): its GPUs follow the earlier's
+    # torch threads of an engine-core process (and of each tensor-parallel worker) of its own; None:
+    # torch's default, or with several cores and ranks on one CPU machine their share of its cores.
+    cpu_threads: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.async_launch not in ("auto", "inline", "thread"):
             raise ValueError(f"async_launch must be 'auto', 'inline' or 'thread', got {self.async_launch!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size!r}")
         if not 0.0 <= self.kv_watermark < 0.5:

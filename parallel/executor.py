@@ -34,7 +34,7 @@ class TensorParallel:
             found = torch.cuda.device_count()
             raise ValueError(f"tensor-parallel rank {self.world - 1} needs GPU {last.index}; {found} found")
         port = _free_port()
-        threads = max(1, torch.get_num_threads() // self.world)
+        threads = config.cpu_threads or max(1, torch.get_num_threads() // self.world)
         self._procs = [_spawn() for _ in range(1, self.world)]
         weakref.finalize(self, _kill, self._procs)  # an engine collected unclosed leaves no worker
         self._closed = False

@@ -172,7 +172,9 @@ def test_messages_round_trip_tensors_of_every_dtype():
 
 def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_llama):
     prompts = [_image(1), _image(1, "describe it"), "USER: what is red ASSISTANT:", _image(2)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # Long enough that the first is still running when the others are routed (each core has a
+    # CPU core of its own, so a short one could be over before).
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(clip_llama, **TIGHT).generate(prompts, params)]
     llm = AsyncMPLLM.from_engine_args(clip_llama, data_parallel_size=2, affinity_slack=4, **TIGHT)
 
@@ -188,8 +190,12 @@ def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_l
             while llm.core_of("img1-a") is None:
                 await asyncio.sleep(0.01)
             rest = [asyncio.ensure_future(run(p, f"r{k}")) for k, p in enumerate(prompts[1:], 1)]
-            await asyncio.sleep(0.05)
-            placed = {rid: llm.core_of(rid) for rid in ("img1-a", "r1", "r2", "r3")}
+            placed = {"img1-a": llm.core_of("img1-a")}
+            while len(placed) < 4 and not all(t.done() for t in rest):  # where each went, once routed
+                for rid in ("r1", "r2", "r3"):
+                    if rid not in placed and llm.core_of(rid) is not None:
+                        placed[rid] = llm.core_of(rid)
+                await asyncio.sleep(0.001)
             got = await asyncio.gather(first, *rest)
             stats = llm.stats()
             transport = httpx.ASGITransport(app=create_app(llm, ServerSettings(served_model_names=["m"])))
@@ -246,3 +252,17 @@ def test_the_core_process_exits_when_its_frontend_is_killed(clip_llama, tmp_path
         time.sleep(0.1)
     os.kill(core_pid, signal.SIGKILL)
     raise AssertionError("the engine-core process outlived its frontend")
+
+
+def test_each_core_gets_its_rank_and_its_share_of_the_cpu(clip_llama):
+    from mm_engine.config import EngineConfig
+    from mm_engine.core.client import core_config
+
+    config = EngineConfig(clip_llama, device="cpu")
+    one = core_config(config, 0, 1)
+    assert one.cpu_threads is None and one.data_parallel_rank == 0  # alone: torch's default
+    second = core_config(config, 1, 2)
+    assert second.data_parallel_rank == 1 and second.cpu_threads == max(1, torch.get_num_threads() // 2)
+    tp = core_config(EngineConfig(clip_llama, device="cpu", tensor_parallel_size=2), 0, 2)
+    assert tp.cpu_threads == max(1, torch.get_num_threads() // 4)  # 2 cores x 2 ranks
+    assert core_config(EngineConfig(clip_llama, device="cpu", cpu_threads=3), 1, 2).cpu_threads == 3
