@@ -38,7 +38,7 @@ from mm_engine.async_types import (
 )
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
-from mm_engine.core.client import AttachedCore, CoreClient, core_config
+from mm_engine.core.client import AttachedCore, CoreClient, start_cores
 from mm_engine.core.cores import CoreHandle, route
 from mm_engine.core.pixels import PixelLedger
 from mm_engine.core.stats import sum_stats
@@ -87,7 +87,11 @@ class AsyncMPLLM(AsyncFrontend):
         self.tokenizer = frontend.tokenizer  # the reader threads' (they take turns under `_lock`)
         self.restart, self.max_restarts, self.on_dead = restart, max_restarts, on_dead
         self._attached, self.frontend_index = attach is not None, frontend_index
-        clients = [AttachedCore(*p) for p in attach] if attach else self._start_cores(data_parallel_size)
+        clients = (
+            [AttachedCore(*p) for p in attach]
+            if attach
+            else start_cores(self._core_config, self._max_image_tokens, data_parallel_size)
+        )
         self._pixel_bytes = config.ipc_pixel_cache_bytes
         self._cores = [
             CoreHandle(i, c, PixelLedger(self._pixel_bytes), stats=c.ready.stats)
@@ -116,23 +120,6 @@ class AsyncMPLLM(AsyncFrontend):
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> AsyncMPLLM:
         own = {k: kwargs.pop(k) for k in list(kwargs) if k not in EngineConfig.__dataclass_fields__}
         return cls(EngineConfig.from_kwargs(model, **kwargs), **own)
-
-    def _start_cores(self, n: int) -> list[CoreClient]:
-        """Start `n` core processes at once (each loads the model) and wait for all."""
-        with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            configs = [core_config(self._core_config, i, n) for i in range(n)]
-            futures = [pool.submit(CoreClient, c, self._max_image_tokens) for c in configs]
-            clients, errors = [], []
-            for f in futures:
-                try:
-                    clients.append(f.result())
-                except Exception as exc:
-                    errors.append(exc)
-        if errors:
-            for c in clients:
-                c.close()
-            raise errors[0]
-        return clients
 
     # ---- event-loop side ---------------------------------------------------------------------
 

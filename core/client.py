@@ -10,6 +10,7 @@ or a CUDA context), given its settings as JSON on stdin. `send` may be called fr
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -37,6 +38,24 @@ def core_config(config: EngineConfig, index: int, count: int) -> EngineConfig:
     if threads is None and ranks > 1 and config.torch_device().type == "cpu":
         threads = max(1, torch.get_num_threads() // ranks)
     return dataclasses.replace(config, data_parallel_rank=index, cpu_threads=threads)
+
+
+def start_cores(config: EngineConfig, max_image_tokens: int, n: int) -> list[CoreClient]:
+    """Start `n` core processes at once (each loads the model) and wait for all."""
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        configs = [core_config(config, i, n) for i in range(n)]
+        futures = [pool.submit(CoreClient, c, max_image_tokens) for c in configs]
+        clients, errors = [], []
+        for f in futures:
+            try:
+                clients.append(f.result())
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        for c in clients:
+            c.close()
+        raise errors[0]
+    return clients
 
 
 def spawn_core(start: StartUp) -> subprocess.Popen:

@@ -124,11 +124,8 @@ class EngineCore(OverlappedSteps):
         policy = make_policy(
             config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
         )
-        self.swap = (
-            HostSwap(self.kv, config.swap_space_bytes, mirror=self.parallel)
-            if config.preemption_mode == "swap"
-            else None
-        )
+        swap = config.preemption_mode == "swap"  # (under TP each worker repeats the swaps)
+        self.swap = HostSwap(self.kv, config.swap_space_bytes, mirror=self.parallel) if swap else None
         self.scheduler = Scheduler(
             self.blocks,
             policy,

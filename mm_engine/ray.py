@@ -77,7 +77,8 @@ class CaptionWorker:
                 f.flush()  # a kill loses at most the line being written
                 captioned += 1
                 failed += record.get("error") is not None
-        return {"captioned": captioned, "failed": failed}
+        # `resumed`: lines an earlier attempt at this block wrote (its actor died) and this one kept.
+        return {"captioned": captioned, "failed": failed, "resumed": len(done)}
 
 
 def caption_on_ray(
@@ -154,7 +155,7 @@ def caption_on_ray(
                 summary.unfinished_blocks.append(block[0])
             continue
         idle.append(actor)
-        summary.captioned += result["captioned"]
+        summary.captioned += result["captioned"] + result["resumed"]
         summary.failed += result["failed"]
         elapsed = time.perf_counter() - started
         report({
@@ -164,7 +165,7 @@ def caption_on_ray(
         })  # fmt: skip
     for actor in idle:
         ray.kill(actor)
-    # Lines a dead worker wrote before it died are in its shard: count them with this run's.
+    # Lines a worker wrote before it died, in a block left for the rerun, count with this run's.
     summary.captioned = len(_done_ids(out)) - summary.already_done
     summary.worker_restarts = restarts
     summary.seconds = time.perf_counter() - started
