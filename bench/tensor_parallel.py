@@ -2,12 +2,15 @@
 processes, the machine's threads split evenly over the ranks (on a CPU the ranks share the cores:
 TP=2 on 2 cores is two 1-thread ranks against one 2-thread engine).
 
-    python -m bench.tensor_parallel [--sizes 1,2] [--workload caption] [--num-images 32]
-                                    [--device cpu|cuda] [--json bench/results/tensor_parallel.json]
+    python -m bench.tensor_parallel [--sizes 1,2] [--encoder-modes data,rank0] [--workload caption]
+                                    [--num-images 32] [--device cpu|cuda]
+                                    [--json bench/results/tensor_parallel.json]
 
 The default model is the benchmark model with 8 query / 4 KV heads (its 9 / 3 split by 3 only).
-Reported per size: seconds, images/s, output tokens/s, the ratio to the first size, and whether
-its greedy tokens equal the first size's (they must, in float32).
+Each size above 1 runs once per `--encoder-modes` entry (`mm_encoder_tp_mode`: the vision tower
+data-parallel over the ranks, or on rank 0 alone). Reported per run: seconds, images/s, output
+tokens/s, the ratio to the first run, and whether its greedy tokens equal the first run's (they
+must, in float32).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from bench.offline_runs import Job, engine_run, run_in_child
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,2")
+    ap.add_argument("--encoder-modes", default="data,rank0", help="mm_encoder_tp_mode values, for TP > 1")
     ap.add_argument("--workload", choices=["caption", "chat"], default="caption")
     ap.add_argument("--num-images", type=int, default=32)
     ap.add_argument("--model", default="bench-even-heads", help="a checkpoint folder or a bench alias")
@@ -41,19 +45,23 @@ def main(argv: list[str] | None = None) -> dict:
     requests = workload_requests(args.workload, args.num_images, 0, vlm.prompts_for(model))
     dtype = "float16" if args.device != "cpu" else "float32"
     rows, first_tokens, started = [], None, time.perf_counter()
-    for size in sizes:
+    runs = [(s, m) for s in sizes for m in (args.encoder_modes.split(",") if s > 1 else ["-"])]
+    for size, mode in runs:
         engine_args = {"tensor_parallel_size": size, "kv_cache_memory_bytes": args.kv_cache_memory_bytes}
+        if mode != "-":
+            engine_args["mm_encoder_tp_mode"] = mode
         job = Job(model, max(1, args.threads // size), args.num_images, 0, requests, engine_args,
                   rate_sizes=(512,), device=args.device, dtype=dtype)  # fmt: skip
         run = run_in_child(engine_run, job)
         tokens = sum(len(t) for t in run["tokens"])
         first_tokens = first_tokens or run["tokens"]
         rows.append({
-            "tensor_parallel_size": size, "threads_per_rank": job.threads, "seconds": run["seconds"],
+            "tensor_parallel_size": size, "mm_encoder_tp_mode": mode, "threads_per_rank": job.threads,
+            "seconds": run["seconds"],
             "images_per_s": args.num_images / run["seconds"], "output_tokens_per_s": tokens / run["seconds"],
             "tokens_equal_first": run["tokens"] == first_tokens, "peak_rss_mib_rank0": run["peak_rss_mib"],
         })  # fmt: skip
-        print(f"  TP={size}: {run['seconds']:.1f} s", flush=True)
+        print(f"  TP={size} {mode}: {run['seconds']:.1f} s", flush=True)
     for r in rows:
         r["ratio_to_first"] = rows[0]["seconds"] / r["seconds"]
     result = {"workload": args.workload, "num_images": args.num_images, "device": args.device, "dtype": dtype,
@@ -61,10 +69,11 @@ def main(argv: list[str] | None = None) -> dict:
     m = machine_info()
     where = m["gpu"] if args.device != "cpu" else f"{m['cpu']}, {args.threads} threads in all"
     print(f"\n### bench.tensor_parallel `{args.workload}`, {args.num_images} images ({m['date']}, {where})\n")
-    print("| TP | threads/rank | seconds | images/s | output tok/s | vs first | tokens equal |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("| TP | tower | threads/rank | seconds | images/s | output tok/s | vs first | tokens equal |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['tensor_parallel_size']} | {r['threads_per_rank']} | {r['seconds']:.1f} | "
+        print(f"| {r['tensor_parallel_size']} | {r['mm_encoder_tp_mode']} | {r['threads_per_rank']} | "
+              f"{r['seconds']:.1f} | "
               f"{r['images_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['ratio_to_first']:.2f}x | "
               f"{r['tokens_equal_first']} |")  # fmt: skip
     if args.json is not None:

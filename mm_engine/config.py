@@ -63,6 +63,9 @@ class EngineConfig:
     # rank 0 is the engine core, the others worker processes (cuda:rank on a GPU, gloo on CPU).
     tensor_parallel_size: int = 1
     tensor_parallel_always: bool = False  # the parallel code path even at size 1 (a check of it)
+    # Under TP, the vision tower: "data", whole on every rank, a step's images split over them
+    # (parallel/vision_dp.py); "rank0", on rank 0 alone (the workers hold none).
+    mm_encoder_tp_mode: str = "data"
     data_parallel_rank: int = 0  # which engine core this is (set per core): its GPUs follow the earlier's
     # torch threads of an engine-core process (and of each tensor-parallel worker) of its own; None:
     # torch's default, or with several cores and ranks on one CPU machine their share of its cores.
@@ -87,6 +90,9 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size!r}")
+        if self.mm_encoder_tp_mode not in ("data", "rank0"):
+            got = self.mm_encoder_tp_mode
+            raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'rank0' (no sharded tower), got {got!r}")
         if not 0.0 <= self.kv_watermark < 0.5:
             raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:

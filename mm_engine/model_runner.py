@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -53,6 +55,14 @@ class StepInputs:
     block_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (sources, destinations), first
 
 
+class Peers(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them (parallel/executor.py)."""
+
+    turn: AbstractContextManager  # held while a forward's messages and collectives go out
+
+    def send(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -74,7 +84,9 @@ class ModelRunner:
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
         # Tensor parallelism (rank 0): hands each forward's inputs to the workers first.
-        self.peers: Callable[[StepInputs, torch.Tensor | None], None] | None = None
+        self.peers: Peers | None = None
+        # What encodes a step's images (under TP with mm_encoder_tp_mode "data": every rank, a share each).
+        self.encoder: Callable[[list[ImageSpan]], list[torch.Tensor]] = model.encode
 
     def execute(
         self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
@@ -204,8 +216,13 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """One forward over prepared inputs: logits of the rows that sample, and which items.
         `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
-        if self.peers is not None:  # in the forward's own order (the CUDA stream, the launcher thread)
-            self.peers(inputs, prev_tokens if inputs.from_prev is not None else None)
+        if self.peers is None:
+            return self._forward(inputs, prev_tokens)
+        with self.peers.turn:  # in the forward's own order (the CUDA stream, the launcher thread)
+            self.peers.send(inputs, prev_tokens if inputs.from_prev is not None else None)
+            return self._forward(inputs, prev_tokens)
+
+    def _forward(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         if inputs.block_copies is not None:  # before this step writes any KV
             self.kv.copy_blocks(*inputs.block_copies)
         lm = self.model.language_model
@@ -284,7 +301,7 @@ class ModelRunner:
         if not todo:
             return
         firsts = [users[0] for users in todo.values()]
-        feats = self.model.encode([req.images[j] for req, j in firsts])
+        feats = self.encoder([req.images[j] for req, j in firsts])
         for (key, users), f in zip(todo.items(), feats, strict=True):
             self.encoder_cache.put(key, f)
             for req, j in users:

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from typing import BinaryIO
 
 import torch
 
@@ -38,6 +40,9 @@ class TensorParallel:
         self._procs = [_spawn() for _ in range(1, self.world)]
         weakref.finalize(self, _kill, self._procs)  # an engine collected unclosed leaves no worker
         self._closed = False
+        # A forward's or an encode's messages and collectives, as one unit: no other's interleave
+        # (the thread launcher runs forwards beside the host, which encodes; parallel/vision_dp.py).
+        self.turn = threading.Lock()
         try:
             for rank, proc in enumerate(self._procs, start=1):
                 write(proc.stdin, Start(WorkerStart(config, rank, self.world, port, threads)))
@@ -86,7 +91,11 @@ class TensorParallel:
     def drop(self, request_id: str) -> None:
         self._tell(lambda pipes: [write(p, SwapDrop(request_id)) for p in pipes])
 
-    def _tell(self, fn) -> None:
+    def tell(self, rank: int, fn: Callable[[BinaryIO], None]) -> None:
+        """`fn(pipe)` with worker `rank`'s pipe (its share of a step's images)."""
+        self._tell(lambda pipes: fn(pipes[rank - 1]))
+
+    def _tell(self, fn: Callable[[list[BinaryIO]], object]) -> None:
         self._check_workers()
         try:
             fn([p.stdin for p in self._procs])

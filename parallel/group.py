@@ -56,6 +56,21 @@ class TPGroup:
         else:
             dist.broadcast(x, src=0)
 
+    # The data-parallel vision tower (parallel/vision_dp.py): a worker's images from rank 0, and
+    # every rank's features gathered on rank 0.
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        dist.send(x.contiguous(), dst)
+
+    def recv(self, x: torch.Tensor) -> None:
+        dist.recv(x, src=0)
+
+    def gather_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (all of one shape) on rank 0, in rank order; None elsewhere."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return parts
+
     def shard(self, size: int) -> tuple[int, int]:
         """[start, end) of this rank's share of `size` (the last share may be shorter)."""
         per = -(-size // self.world)

@@ -48,6 +48,25 @@ class Step(msgspec.Struct, tag=True):
     seq_lens_cpu: list[int]
 
 
+class ImageSpec(msgspec.Struct, array_like=True):
+    """What a family's `encode` reads of an image (its tensors follow the header, in order)."""
+
+    pixel_values: TensorSpec
+    pixel_mask: TensorSpec | None
+    grid: list[int] | None
+    num_embeds: int
+
+
+class Encode(msgspec.Struct, tag=True):
+    """A worker's share of a step's images (data-parallel vision tower, parallel/vision_dp.py):
+    encode them and hand the features to rank 0 as `[rows, *feature]` in `dtype`."""
+
+    images: list[ImageSpec]
+    rows: int  # every rank's share padded to this many feature rows
+    feature: list[int]  # [1 + deepstack, hidden]
+    dtype: str
+
+
 class SwapOut(msgspec.Struct, tag=True):  # rank 0 swapped these blocks of a request to host memory
     request_id: str
     blocks: list[int]
@@ -66,8 +85,11 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Message = Start | Blocks | Step | SwapOut | SwapIn | SwapDrop | Stop
-_DTYPES = {str(d): d for d in (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16)}
+Message = Start | Blocks | Step | Encode | SwapOut | SwapIn | SwapDrop | Stop
+DTYPES = {
+    str(d): d
+    for d in (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16)
+}
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Message).decode
 _LEN = struct.Struct("<I")
@@ -112,7 +134,7 @@ def receive_step(header: Step, group: TPGroup) -> tuple[StepInputs, torch.Tensor
     previous step's sampled tokens where an input takes one."""
     got: dict[str, torch.Tensor] = {}
     for spec in header.tensors:
-        t = torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=group.device)
+        t = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=group.device)
         group.broadcast(t)
         got[spec.name] = t
 

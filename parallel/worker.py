@@ -21,7 +21,18 @@ from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.parallel.group import destroy_group, init_group
 from mm_engine.parallel.ranks import kv_spec, rank_device
-from mm_engine.parallel.step_wire import Blocks, Start, Step, SwapDrop, SwapIn, SwapOut, read, receive_step
+from mm_engine.parallel.step_wire import (
+    Blocks,
+    Encode,
+    Start,
+    Step,
+    SwapDrop,
+    SwapIn,
+    SwapOut,
+    read,
+    receive_step,
+)
+from mm_engine.parallel.vision_dp import encode_share
 from mm_engine.platform import make_platform
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.pools.swap import MirroredSwap
@@ -29,8 +40,8 @@ from mm_engine.vision.encoder_cache import EncoderCache
 
 
 def drop_vision(model: nn.Module) -> None:
-    """A worker never encodes (rank 0 sends the embeddings): its vision tower and connector go,
-    so that it holds its language-model shard and nothing else."""
+    """A worker that never encodes (mm_encoder_tp_mode "rank0": rank 0 sends the embeddings):
+    its vision tower and connector go, so that it holds its language-model shard and nothing else."""
     for name, _ in list(model.named_children()):
         if name != "language_model":
             setattr(model, name, nn.Identity())
@@ -58,7 +69,8 @@ def main() -> int:
                 path, hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), device,
                 platform, pack_weights=config.cpu_packed_weights, tp=tp,
             )  # fmt: skip
-        drop_vision(model)
+        if config.mm_encoder_tp_mode != "data":  # else it encodes a share of each step's images
+            drop_vision(model)
         blocks = read(pipe)
         if not isinstance(blocks, Blocks):
             return 0
@@ -69,6 +81,8 @@ def main() -> int:
         while (msg := read(pipe)) is not None:
             if isinstance(msg, Step):
                 runner.forward(*receive_step(msg, tp))
+            elif isinstance(msg, Encode):
+                encode_share(msg, model, tp)
             elif isinstance(msg, SwapOut):
                 swap.swap_out(msg.request_id, msg.blocks)
             elif isinstance(msg, SwapIn):

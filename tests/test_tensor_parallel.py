@@ -84,8 +84,15 @@ def test_a_split_the_model_cannot_take_is_refused_before_any_worker(siglip_qwen2
         LLM(clip_llama, tensor_parallel_size=3)
 
 
-def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama):
-    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2)
+TWO_IMAGES = {"prompt": "USER: <image> <image> both ASSISTANT:",
+              "multi_modal_data": {"image": [make_image(1), make_image(2)]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("then", [None, TWO_IMAGES], ids=["mid-decode", "before-an-encode"])
+def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama, then):
+    """Killed between two decodes, or before a step whose images it would encode a share of."""
+    kw = dict(kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
+    llm = LLM(clip_llama, tensor_parallel_size=2, **kw)
     try:
         engine = llm.engine
         engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
@@ -93,6 +100,8 @@ def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama):
         worker = engine.parallel._procs[0]
         worker.kill()
         worker.wait()
+        if then is not None:
+            engine.add_request(then, SamplingParams(max_tokens=4))
         with pytest.raises(StepFailedError) as info:
             while engine.has_unfinished():
                 engine.step()

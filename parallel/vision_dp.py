@@ -1,0 +1,120 @@
+"""The vision tower data-parallel over the tensor-parallel ranks (`mm_encoder_tp_mode="data"`).
+
+Every rank holds the whole tower. When a step encodes two images or more, rank 0 splits them into
+one share per rank, balanced by pixels; each worker gets an `Encode` header over its pipe and its
+images' tensors point to point, every rank encodes its share at the same time, and the features
+are gathered on rank 0 (padded to the largest share), which caches them and hands them to the
+step like features it encoded itself. One image is encoded on rank 0 alone, as in the "rank0"
+mode, where the workers hold no tower at all.
+
+The turn (`TensorParallel.turn`) makes an encode's messages and collectives one unit that a
+forward's cannot interleave with: with the thread launcher a forward runs beside the host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mm_engine.models.interface import MultimodalModel
+from mm_engine.parallel.group import TPGroup
+from mm_engine.parallel.step_wire import DTYPES, Encode, ImageSpec, TensorSpec, write
+from mm_engine.request import ImageSpan
+
+if TYPE_CHECKING:
+    from mm_engine.parallel.executor import TensorParallel
+
+
+def split_images(images: list[ImageSpan], world: int) -> list[list[int]]:
+    """Indices of `images` per rank, in their order within a share: the largest first, each to
+    the share with the fewest pixels so far (rank 0 on a tie)."""
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(images)), key=lambda i: -images[i].pixel_values.numel()):
+        r = loads.index(min(loads))
+        loads[r] += images[i].pixel_values.numel()
+        shares[r].append(i)
+    return [sorted(s) for s in shares]
+
+
+class DataParallelEncoder:
+    """Rank 0's `encode` (ModelRunner.encoder) when every rank holds the tower."""
+
+    def __init__(self, model: MultimodalModel, parallel: TensorParallel) -> None:
+        self.model = model
+        self.parallel = parallel
+        emb = model.language_model.embed_tokens
+        self.feature = [1 + model.num_deepstack, emb.embedding_dim]
+        self.dtype = emb.weight.dtype
+        self.images_per_rank = [0] * parallel.world  # how many images each rank has encoded
+
+    def __call__(self, images: list[ImageSpan]) -> list[torch.Tensor]:
+        if len(images) < 2:
+            self.images_per_rank[0] += len(images)
+            return self.model.encode(images)
+        shares = split_images(images, self.parallel.world)
+        for rank, share in enumerate(shares):
+            self.images_per_rank[rank] += len(share)
+        rows = max(sum(images[i].num_embeds for i in share) for share in shares)
+        group = self.parallel.group
+        with self.parallel.turn:
+            for rank, share in enumerate(shares[1:], start=1):
+                share_images = [images[i] for i in share]
+                self.parallel.tell(rank, lambda pipe, s=share_images, r=rank: self._send(pipe, s, rows, r))
+            own = self.model.encode([images[i] for i in shares[0]]) if shares[0] else []
+            parts = group.gather_first(_pad(own, rows, self.feature, self.dtype, group.device))
+        out: list[torch.Tensor | None] = [None] * len(images)
+        for share, part in zip(shares, parts, strict=True):
+            at = 0
+            for i in share:
+                n = images[i].num_embeds
+                out[i] = part[at : at + n]
+                at += n
+        return out  # type: ignore[return-value]
+
+    def _send(self, pipe, images: list[ImageSpan], rows: int, rank: int) -> None:
+        specs = [
+            ImageSpec(_spec(s.pixel_values), None if s.pixel_mask is None else _spec(s.pixel_mask),
+                      None if s.grid is None else list(s.grid), s.num_embeds)
+            for s in images
+        ]  # fmt: skip
+        write(pipe, Encode(specs, rows, self.feature, str(self.dtype)))
+        group = self.parallel.group
+        for s in images:
+            for t in (s.pixel_values, s.pixel_mask):
+                if t is not None:
+                    group.send(t.to(group.device), rank)
+
+
+def encode_share(msg: Encode, model: MultimodalModel, group: TPGroup) -> None:
+    """A worker: receive its images, encode them, hand the features to rank 0."""
+    images = []
+    for spec in msg.images:
+        pixels = _recv(spec.pixel_values, group)
+        mask = None if spec.pixel_mask is None else _recv(spec.pixel_mask, group)
+        grid = None if spec.grid is None else tuple(spec.grid)
+        images.append(ImageSpan(0, spec.num_embeds, pixels, "", None, spec.num_embeds, grid, mask))
+    feats = model.encode(images) if images else []
+    group.gather_first(_pad(feats, msg.rows, msg.feature, DTYPES[msg.dtype], group.device))
+
+
+def _pad(
+    feats: list[torch.Tensor], rows: int, feature: list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A share's features one after the other, as `[rows, *feature]`."""
+    out = torch.zeros((rows, *feature), dtype=dtype, device=device)
+    at = 0
+    for f in feats:
+        out[at : at + f.shape[0]] = f
+        at += f.shape[0]
+    return out
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec("", str(t.dtype), list(t.shape))
+
+
+def _recv(spec: TensorSpec, group: TPGroup) -> torch.Tensor:
+    t = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=group.device)
+    group.recv(t)
+    return t

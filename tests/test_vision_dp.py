@@ -1,0 +1,80 @@
+"""The data-parallel vision tower under tensor parallelism (`mm_encoder_tp_mode="data"`): a step's
+images split over the ranks by pixels, each rank encoding its share, the features gathered on
+rank 0; greedy tokens equal TP=1's (and transformers') for fixed-size (LLaVA), gridded (Qwen2-VL)
+and masked (Idefics3) pixels. (A worker that dies before an encode: tests/test_tensor_parallel.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_image
+
+from mm_engine import LLM, SamplingParams
+from mm_engine.parallel.vision_dp import DataParallelEncoder, split_images
+from mm_engine.request import ImageSpan
+
+WIDE = dict(kv_cache_memory_bytes=8 * 1024**2, block_size=8, max_num_batched_tokens=512)
+
+
+def _span(pixels: int) -> ImageSpan:
+    return ImageSpan(0, 1, torch.zeros(pixels), "")
+
+
+def test_images_split_by_pixels_each_once():
+    images = [_span(n) for n in (10, 40, 20, 30, 5)]
+    shares = split_images(images, 2)
+    assert sorted(i for s in shares for i in s) == list(range(5))
+    loads = [sum(images[i].pixel_values.numel() for i in s) for s in shares]
+    assert loads == [50, 55] or loads == [55, 50]
+    assert all(s == sorted(s) for s in shares)  # in prompt order within a share
+    assert split_images(images[:1], 3) == [[0], [], []]
+
+
+def _prompts() -> list:
+    ask = "USER: <image> <image> describe both ASSISTANT:"
+    return [
+        {"prompt": ask, "multi_modal_data": {"image": [make_image(1), make_image(2)]}},
+        {"prompt": ask, "multi_modal_data": {"image": [make_image(3), make_image(1)]}},
+        {"prompt": "USER: <image> what is this ASSISTANT:", "multi_modal_data": {"image": [make_image(4)]}},
+        "USER: what is red ASSISTANT:",
+    ]
+
+
+def _tokens(llm: LLM, n: int = 12) -> list[list[int]]:
+    outs = llm.generate(_prompts(), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["data", "rank0"])
+def test_llava_images_encoded_over_the_ranks_equal_tp1(clip_llama, mode):
+    expected = _tokens(LLM(clip_llama, **WIDE))
+    llm = LLM(clip_llama, tensor_parallel_size=2, mm_encoder_tp_mode=mode, **WIDE)
+    try:
+        assert _tokens(llm) == expected
+        encoder = llm.engine.runner.encoder
+        if mode == "data":  # four distinct images in the first step: two on each rank
+            assert isinstance(encoder, DataParallelEncoder) and encoder.images_per_rank == [2, 2]
+        else:
+            assert not isinstance(encoder, DataParallelEncoder)
+        assert llm.engine.runner.num_encoded_images == 4
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3"])
+def test_gridded_and_masked_pixels_cross_to_the_workers(vl_family, family):
+    """Qwen2-VL's images of different grids, Idefics3's padded crops with their pixel mask: the
+    features a worker computes are those transformers' model computes."""
+    from vl_helpers import family_prompt, greedy, mm
+
+    path, ref = vl_family(family)
+    cases = [(family_prompt(family, "describe", 2), [make_image(3, (40, 60)), make_image(4, (64, 32))], 6),
+             (family_prompt(family, "and this", 1), [make_image(5, (50, 50))], 6)]  # fmt: skip
+    llm = LLM(path, tensor_parallel_size=2, **WIDE)
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
+        assert llm.engine.runner.encoder.images_per_rank[1] > 0
+    finally:
+        llm.close()
