@@ -2,7 +2,7 @@
 (its start-up settings, the KV block count, then one header per step: which tensors follow, their
 dtypes and shapes, the host-side numbers the attention backends read; and the swaps rank 0 makes,
 which a worker repeats on its own KV heads), and a step's tensors broadcast over the model's group
-right after its header. No pickle.
+right after its header, packed into one buffer per dtype. No pickle.
 
 A pipe, not a collective, carries what a worker waits for: a collective times out, and an engine
 may sit idle for hours; a pipe waits as long as rank 0 lives and ends (EOF) when it dies.
@@ -10,6 +10,7 @@ may sit idle for hours; a pipe waits as long as rank 0 lives and ends (EOF) when
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import BinaryIO
 
@@ -125,18 +126,21 @@ def send_step(
     )  # fmt: skip
     for pipe in pipes:
         write(pipe, header)
-    for _, t in named:
-        group.broadcast(t.contiguous())
+    for dtype in dict.fromkeys(t.dtype for _, t in named):  # one broadcast per dtype, not per tensor
+        group.broadcast(torch.cat([t.reshape(-1) for _, t in named if t.dtype == dtype]))
 
 
 def receive_step(header: Step, group: TPGroup) -> tuple[StepInputs, torch.Tensor | None]:
     """A worker: the tensors that follow `header`, as the step's inputs on its device, and the
     previous step's sampled tokens where an input takes one."""
     got: dict[str, torch.Tensor] = {}
-    for spec in header.tensors:
-        t = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=group.device)
-        group.broadcast(t)
-        got[spec.name] = t
+    for dtype in dict.fromkeys(spec.dtype for spec in header.tensors):
+        specs = [spec for spec in header.tensors if spec.dtype == dtype]
+        sizes = [math.prod(spec.shape) for spec in specs]
+        packed = torch.empty(sum(sizes), dtype=DTYPES[dtype], device=group.device)
+        group.broadcast(packed)
+        for spec, part in zip(specs, packed.split(sizes), strict=True):
+            got[spec.name] = part.view(spec.shape)
 
     def pair(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (got[f"{name}.0"], got[f"{name}.1"]) if f"{name}.0" in got else None
