@@ -29,7 +29,7 @@ from mm_engine.logit_adjust import row_contexts
 from mm_engine.model_loader import load_config, resolve_model_path
 from mm_engine.model_runner import ModelRunner
 from mm_engine.parallel.executor import TensorParallel
-from mm_engine.parallel.ranks import kv_spec, rank_device
+from mm_engine.parallel.ranks import kv_spec, rank_device, rank_threads
 from mm_engine.parallel.vision_dp import DataParallelEncoder
 from mm_engine.platform import make_platform
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
@@ -141,6 +141,7 @@ class EngineCore(OverlappedSteps):
         self.runner = ModelRunner(self.model, self.kv, self.platform.backend, self.device, self.encoder_cache)
         if self.parallel is not None:
             self.runner.peers = self.parallel
+            self.runner.threads = rank_threads(config)
             if config.mm_encoder_tp_mode == "data":
                 self.runner.encoder = DataParallelEncoder(self.model, self.parallel)
         # The engine's own random stream for unseeded requests: torch's global RNG is the caller's.

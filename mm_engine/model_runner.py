@@ -26,6 +26,7 @@ from mm_engine.host_copy import to_device
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.models.interface import MultimodalModel
+from mm_engine.parallel.ranks import torch_threads
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.request import ImageSpan, Request
 from mm_engine.vision.encoder_cache import EncoderCache
@@ -87,6 +88,9 @@ class ModelRunner:
         self.peers: Peers | None = None
         # What encodes a step's images (under TP with mm_encoder_tp_mode "data": every rank, a share each).
         self.encoder: Callable[[list[ImageSpan]], list[torch.Tensor]] = model.encode
+        # Torch threads of this runner's work (tensor-parallel ranks on a CPU share its cores);
+        # None: the calling thread's own.
+        self.threads: int | None = None
 
     def execute(
         self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
@@ -97,7 +101,6 @@ class ModelRunner:
         logits, sampling = self.forward(inputs)
         return logits, sampling, inputs.prompt_rows
 
-    @torch.inference_mode()
     def prepare(
         self,
         items: list[tuple[Request, int]],
@@ -108,6 +111,13 @@ class ModelRunner:
         (images a chunk reaches are encoded here too). `pending`: request id -> index among the
         previous step's samples, for the requests whose last token is still a `PLACEHOLDER`.
         `copies`: KV blocks (source, destination) the forward copies before anything else."""
+        with torch_threads(self.threads):
+            return self._prepare(items, pending, copies)
+
+    @torch.inference_mode()
+    def _prepare(
+        self, items: list[tuple[Request, int]], pending: dict[str, int] | None, copies: list[tuple[int, int]]
+    ) -> StepInputs:
         self._encode_images(items)
         bs = self.block_size
         ids: list[int] = []
@@ -210,18 +220,19 @@ class ModelRunner:
             block_copies,
         )
 
-    @torch.inference_mode()
     def forward(
         self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """One forward over prepared inputs: logits of the rows that sample, and which items.
         `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
-        if self.peers is None:
-            return self._forward(inputs, prev_tokens)
-        with self.peers.turn:  # in the forward's own order (the CUDA stream, the launcher thread)
-            self.peers.send(inputs, prev_tokens if inputs.from_prev is not None else None)
-            return self._forward(inputs, prev_tokens)
+        with torch_threads(self.threads):
+            if self.peers is None:
+                return self._forward(inputs, prev_tokens)
+            with self.peers.turn:  # in the forward's own order (the CUDA stream, the launcher thread)
+                self.peers.send(inputs, prev_tokens if inputs.from_prev is not None else None)
+                return self._forward(inputs, prev_tokens)
 
+    @torch.inference_mode()
     def _forward(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         if inputs.block_copies is not None:  # before this step writes any KV
             self.kv.copy_blocks(*inputs.block_copies)

@@ -23,7 +23,7 @@ import torch
 from mm_engine.config import EngineConfig
 from mm_engine.model_runner import StepInputs
 from mm_engine.parallel.group import COLLECTIVE_TIMEOUT, ParallelError, TPGroup, destroy_group, init_group
-from mm_engine.parallel.ranks import WorkerStart, rank_device
+from mm_engine.parallel.ranks import WorkerStart, rank_device, rank_threads
 from mm_engine.parallel.step_wire import Blocks, Start, Stop, SwapDrop, SwapIn, SwapOut, send_step, write
 
 
@@ -36,7 +36,7 @@ class TensorParallel:
             found = torch.cuda.device_count()
             raise ValueError(f"tensor-parallel rank {self.world - 1} needs GPU {last.index}; {found} found")
         port = _free_port()
-        threads = config.cpu_threads or max(1, torch.get_num_threads() // self.world)
+        threads = rank_threads(config)
         self._procs = [_spawn() for _ in range(1, self.world)]
         weakref.finalize(self, _kill, self._procs)  # an engine collected unclosed leaves no worker
         self._closed = False

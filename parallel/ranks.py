@@ -1,7 +1,10 @@
-"""What rank 0 and the workers agree on: a worker's start-up message, each rank's device, and
-each rank's KV layout."""
+"""What rank 0 and the workers agree on: a worker's start-up message, each rank's device, its
+torch threads, and its KV layout."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -25,6 +28,31 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     return torch.device("cuda", config.data_parallel_rank * config.tensor_parallel_size + rank)
+
+
+def rank_threads(config: EngineConfig) -> int | None:
+    """Torch threads of each tensor-parallel rank: the setting, or an even share of this process's
+    (the ranks of a CPU machine share its cores); None without tensor parallelism."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    if not config.parallel:
+        return None
+    return max(1, torch.get_num_threads() // config.tensor_parallel_size)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Rank 0's work with `n` torch threads, on the calling thread only (an OpenMP thread count is
+    the thread's own), and what it had before put back after: rank 0 may be the user's process."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def kv_spec(config: EngineConfig, text_config, lm, world: int) -> KVCacheSpec:

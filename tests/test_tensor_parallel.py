@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import make_image
 
 from mm_engine import LLM, SamplingParams
@@ -37,9 +38,13 @@ def test_llava_tp2_equals_tp1_through_chunks_reuse_and_preemption(clip_llama):
     plain = LLM(clip_llama, kv_cache_memory_bytes=KV, **TIGHT)
     expected = _tokens(plain, _prompts())
     assert plain.kv_report()["text"]["preemptions"] + plain.kv_report()["image"]["preemptions"] > 0
+    threads = torch.get_num_threads()
     llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=KV // 2, **TIGHT)
     try:
         assert _tokens(llm, _prompts()) == expected
+        # Rank 0 computes with its share of the cores, and the caller's thread keeps its own count.
+        assert llm.engine.runner.threads == max(1, threads // 2)
+        assert torch.get_num_threads() == threads
         report = llm.kv_report()
         assert report["text"]["preemptions"] + report["image"]["preemptions"] > 0  # tight pools: recompute
         assert report["image"]["prefix_cache_hits"] + report["text"]["partial_block_copies"] > 0
@@ -147,8 +152,6 @@ def test_it_composes_with_the_core_process_and_data_parallelism(clip_llama):
 def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, device):
     """`tensor_parallel_always`: the sharded layers, the wire and the group (gloo; NCCL on CUDA)
     with one rank, against the engine without them."""
-    import torch
-
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device here (bench/gpu_checks.sh runs this on a GPU)")
     kw = dict(device=device, kv_cache_memory_bytes=8 * 1024**2, block_size=8)
@@ -162,8 +165,6 @@ def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, devic
 
 
 def test_a_worker_keeps_only_its_language_model(vl_family):
-    import torch
-
     from mm_engine import models
     from mm_engine.model_loader import load_config
     from mm_engine.parallel.worker import drop_vision
