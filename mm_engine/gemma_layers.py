@@ -10,6 +10,9 @@ with what Gemma does differently.
 - Local layers attend within a sliding window with their own rotary base; global layers attend to
   everything (both, during prefill, also bidirectionally within an image: `AttentionMetadata`).
 - The MLP is GeGLU (tanh GELU of the gate times the up projection).
+
+With `tp`, the same Megatron split as `layers.py`: each rank its share of the heads and of the MLP
+width (o_proj and down summed over the ranks), of the vocabulary for the embedding and the head.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from transformers.activations import ACT2FN
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
-from mm_engine.layers import RMSNorm, Rotary
+from mm_engine.layers import RMSNorm, Rotary, VocabParallelEmbedding
+from mm_engine.parallel.group import TPGroup
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -36,14 +40,15 @@ class ScaledEmbedding(nn.Embedding):
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config, layer_type: str, ops: TorchOps) -> None:
+    def __init__(self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None) -> None:
         super().__init__()
-        h, hd = config.hidden_size, config.head_dim
+        h, hd, world = config.hidden_size, config.head_dim, tp.world if tp is not None else 1
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
+            config.num_attention_heads // world,
+            config.num_key_value_heads // world,
             hd,
         )
+        self.tp = tp
         bias = config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
@@ -64,26 +69,30 @@ class GemmaAttention(nn.Module):
         v = self.v_proj(x).view(t, kvh, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale, window=self.window)
-        return self.o_proj(out.reshape(t, h * hd))
+        out = self.o_proj(out.reshape(t, h * hd))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = config.intermediate_size // (tp.world if tp is not None else 1)
+        self.tp = tp
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.act = ACT2FN[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, ops: TorchOps) -> None:
+    def __init__(self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(config, layer_type, ops)
-        self.mlp = GemmaMLP(config)
+        self.self_attn = GemmaAttention(config, layer_type, ops, tp)
+        self.mlp = GemmaMLP(config, tp)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
@@ -100,7 +109,9 @@ class GemmaLM(nn.Module):
     """Same interface as `layers.DecoderLM`: `embed_tokens`, `forward(embeds, positions, ...)`,
     `logits`, `head_dim`, `layers`."""
 
-    def __init__(self, config, tie_embeddings: bool, ops: TorchOps = TORCH_OPS) -> None:
+    def __init__(
+        self, config, tie_embeddings: bool, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 text models with bidirectional attention are not supported")
@@ -108,14 +119,20 @@ class GemmaLM(nn.Module):
             if getattr(config, cap, None):
                 raise ValueError(f"{cap} is not supported")
         self.head_dim = config.head_dim
-        self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, config.hidden_size**0.5)
+        self.tp, self.vocab_size = tp, config.vocab_size
+        scale = config.hidden_size**0.5
+        if tp is None:
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, scale)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, scale)
         self.layer_types = list(config.layer_types)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind, ops) for kind in self.layer_types)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind, ops, tp) for kind in self.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = nn.ModuleDict(
             {kind: Rotary(config, config.head_dim, layer_type=kind) for kind in sorted(set(self.layer_types))}
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tied_lm_head = tie_embeddings
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -138,4 +155,7 @@ class GemmaLM(nn.Module):
                     module.weight.add_(1.0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.vocab_size]  # the last share is padded

@@ -291,16 +291,21 @@ class DecoderLM(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the vocabulary (padded to equal shares, so the LM head's logits gather
-    evenly); a token outside them contributes zeros, and the ranks' lookups are summed."""
+    evenly); a token outside them contributes zeros, and the ranks' lookups are summed. `scale`:
+    a factor every embedding is multiplied by (Gemma's sqrt(hidden))."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup) -> None:
+    def __init__(self, num: int, dim: int, tp: TPGroup, scale: float | None = None) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
-        self.start, self.end = tp.shard(num_embeddings)
-        self.weight = nn.Parameter(torch.empty(-(-num_embeddings // tp.world), embedding_dim))
+        self.num_embeddings, self.embedding_dim, self.tp = num, dim, tp
+        self.start, self.end = tp.shard(num)
+        self.weight = nn.Parameter(torch.empty(-(-num // tp.world), dim))
+        scale_t = None if scale is None else torch.tensor(scale)
+        self.register_buffer("embed_scale", scale_t, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.start) & (ids < self.end)
         out = nn.functional.embedding(torch.where(mine, ids - self.start, 0), self.weight)
         out.mul_(mine.unsqueeze(-1).to(out.dtype))
+        if self.embed_scale is not None:  # as Gemma's own: the factor in the weights' dtype
+            out.mul_(self.embed_scale.to(out.dtype))
         return self.tp.all_reduce(out)

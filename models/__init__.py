@@ -69,8 +69,6 @@ def check_config(config) -> None:
 
 def check_tensor_parallel(config, world: int) -> None:
     """Refuse, before any worker starts, a split the model cannot take."""
-    if architecture(config) == "Gemma3ForConditionalGeneration":
-        raise ValueError("tensor parallelism is not supported for Gemma 3 yet (its own decoder layers)")
     check_divisible(config.text_config, world)
 
 

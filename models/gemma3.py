@@ -32,6 +32,8 @@ from mm_engine.models.weights import (
     default_dtype,
     load_strict,
 )
+from mm_engine.parallel.group import check_divisible
+from mm_engine.parallel.shard import shard_state
 from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
@@ -126,10 +128,10 @@ class Gemma3Model(TowerProjectorModel):
     @classmethod
     def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform, tp=None):
         if tp is not None:
-            raise ValueError("tensor parallelism is not supported for Gemma 3 yet (its own decoder layers)")
+            check_divisible(config.text_config, tp.world)
         with torch.device(device), default_dtype(dtype):
-            lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops)
-        load_strict(lm, lm_state, "language model")
+            lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops, tp)
+        load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
         lm.fuse_projections()
         return lm
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_image
-from vl_helpers import engine, family_prompt, greedy, mm
+from vl_helpers import assert_all_free, engine, family_prompt, greedy, mm
 
 LONG = " ".join(["what is this picture"] * 8)  # 32 words: longer than the sliding window
 
@@ -240,3 +240,19 @@ def test_preemption_recomputes_images_whole(gemma):
     assert llm.engine.scheduler.num_preemptions > 0
     for out, (text, imgs, n) in zip(outs, batch * 2, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
+
+
+def test_two_tensor_parallel_ranks_equal_transformers(gemma):
+    """Gemma's own layers split over 2 ranks (heads, MLP width, the scaled vocabulary-parallel
+    embedding), its images encoded over both: the sliding window and the bidirectional image
+    spans hold on each rank's heads."""
+    path, ref = gemma
+    llm = engine(path, tensor_parallel_size=2, max_num_batched_tokens=128)  # several images a step
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in BATCH], [greedy(n) for *_, n in BATCH])
+        for out, (text, imgs, n) in zip(outs, BATCH, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
+        assert llm.engine.runner.encoder.images_per_rank[1] > 0
+        assert_all_free(llm)
+    finally:
+        llm.close()

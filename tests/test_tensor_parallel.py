@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU: TP=2 (rank 0 and one worker process, on the 2 cores) gives the greedy
-tokens of TP=1 for LLaVA and Qwen2-VL (transformers' too), through chunked prefill, prefix reuse
+tokens of TP=1 for LLaVA and transformers' for every other family, through chunked prefill, prefix reuse
 with the partial-block copy, preemption (recompute and swap), async scheduling and an abort; a
 split the model cannot take is refused before any worker starts; a worker that dies stops the
 engine with a device fault, at once, instead of a hang."""
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_image
+from vl_helpers import ALL_FAMILIES, family_prompt, greedy, mm
 
 from mm_engine import LLM, SamplingParams
 from mm_engine.faults import StepFailedError
@@ -54,8 +55,6 @@ def test_llava_tp2_equals_tp1_through_chunks_reuse_and_preemption(clip_llama):
 
 
 def test_qwen2_vl_tp2_equals_transformers_and_survives_an_abort(vl_family):
-    from vl_helpers import family_prompt, greedy, mm
-
     path, ref = vl_family("qwen2_vl")
     cases = [(family_prompt("qwen2_vl", "describe", 1), [make_image(3, (40, 60))], 8),
              (family_prompt("qwen2_vl", "hello there", 0), [], 6)]  # fmt: skip
@@ -205,5 +204,22 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         report = llm.kv_report()
         assert report["swap"]["swapped_in_blocks"] == plain.kv_report()["swap"]["swapped_in_blocks"]
         assert report["swap"]["host_bytes_used"] == 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("family", [f for f in ALL_FAMILIES if f not in ("qwen2_vl", "gemma3")])
+def test_every_family_splits_over_two_ranks(vl_family, family):
+    """The other families at TP=2 against transformers (Qwen2-VL above, Gemma 3 in its own file):
+    two images in one step, so the workers encode a share."""
+    path, ref = vl_family(family)
+    cases = [(family_prompt(family, "describe both", 2), [make_image(3, (40, 60)), make_image(4)], 6),
+             (family_prompt(family, "hello there", 0), [], 6)]  # fmt: skip
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
+        assert llm.engine.runner.encoder.images_per_rank[1] > 0
     finally:
         llm.close()
