@@ -188,6 +188,7 @@ def test_async_scheduling_over_the_ranks(clip_llama, mode):
     try:
         assert llm.engine.launcher is not None
         assert _tokens(llm, _prompts()) == expected
+        assert llm.engine.runner.encoder.images_per_rank == [1, 1]  # an encode beside the launches
     finally:
         llm.close()
 

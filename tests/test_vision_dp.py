@@ -78,3 +78,28 @@ def test_gridded_and_masked_pixels_cross_to_the_workers(vl_family, family):
         assert llm.engine.runner.encoder.images_per_rank[1] > 0
     finally:
         llm.close()
+
+
+def test_an_encode_beside_a_launched_forward_takes_its_turn(clip_llama):
+    """With the thread launcher a forward runs while the host prepares the next step: images that
+    arrive then are encoded over the ranks in turn with it, and the tokens are the plain engine's.
+    (On a CPU the step's tensors go through shared memory and the encode's through gloo, so this
+    would pass without the turn too; on CUDA both share one NCCL communicator.)"""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(clip_llama, **WIDE)
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(_prompts(), params)]
+    llm = LLM(clip_llama, tensor_parallel_size=2, async_scheduling=True, async_launch="thread", **WIDE)
+    try:
+        engine, finals = llm.engine, {}
+        prompts = _prompts()
+        engine.add_request(prompts[3], params, request_id="3")
+        for _ in range(3):  # the text request decodes, a forward always in flight
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        for i in range(3):
+            engine.add_request(prompts[i], params, request_id=str(i))
+        while engine.has_unfinished():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert [list(finals[str(i)].outputs[0].token_ids) for i in range(4)] == expected
+        assert engine.runner.encoder.images_per_rank == [2, 2]
+    finally:
+        llm.close()
