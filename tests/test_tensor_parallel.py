@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU: TP=2 (rank 0 and one worker process, on the 2 cores) gives the greedy
-tokens of TP=1 for LLaVA and transformers' for every other family, through chunked prefill, prefix reuse
+tokens of TP=1 for LLaVA and transformers' for the other families, through chunked prefill, prefix reuse
 with the partial-block copy, preemption (recompute and swap), async scheduling and an abort; a
 split the model cannot take is refused before any worker starts; a worker that dies stops the
 engine with a device fault, at once, instead of a hang."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_image
-from vl_helpers import ALL_FAMILIES, family_prompt, greedy, mm
+from vl_helpers import family_prompt, greedy, mm
 
 from mm_engine import LLM, SamplingParams
 from mm_engine.faults import StepFailedError
@@ -209,10 +209,14 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         llm.close()
 
 
-@pytest.mark.parametrize("family", [f for f in ALL_FAMILIES if f not in ("qwen2_vl", "gemma3")])
-def test_every_family_splits_over_two_ranks(vl_family, family):
-    """The other families at TP=2 against transformers (Qwen2-VL above, Gemma 3 in its own file):
-    two images in one step, so the workers encode a share."""
+# One family per language-model and connector path not split elsewhere: Qwen3-VL (DeepStack, q/k
+# norms, interleaved M-RoPE), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
+# (patch merger, grids), LLaVA-OneVision (anyres packing, Qwen2's biases). Their twins share these
+# paths: Qwen2.5-VL (Qwen2-VL's LM), SmolVLM (Idefics3, tests/test_vision_dp.py), InternVL-Qwen3,
+# LLaVA-NeXT. LLaVA and Qwen2-VL are above, Gemma 3 in tests/test_gemma3.py.
+@pytest.mark.parametrize("family", ["qwen3_vl", "internvl", "mistral3", "llava_onevision"])
+def test_the_families_split_over_two_ranks(vl_family, family):
+    """TP=2 against transformers, two images in one step so that the worker encodes a share."""
     path, ref = vl_family(family)
     cases = [(family_prompt(family, "describe both", 2), [make_image(3, (40, 60)), make_image(4)], 6),
              (family_prompt(family, "hello there", 0), [], 6)]  # fmt: skip
