@@ -5,7 +5,8 @@ one share per rank, balanced by pixels; each worker gets an `Encode` header over
 images' tensors point to point, every rank encodes its share at the same time, and the features
 are gathered on rank 0 (padded to the largest share), which caches them and hands them to the
 step like features it encoded itself. One image is encoded on rank 0 alone, as in the "rank0"
-mode, where the workers hold no tower at all.
+mode, where the workers hold no tower at all. A share that fails to encode fails the step's batch,
+as an encode on rank 0 does, and every rank still joins the gathers, so the group goes on.
 
 The turn (`TensorParallel.turn`) makes an encode's messages and collectives one unit that a
 forward's cannot interleave with: with the thread launcher a forward runs beside the host.
@@ -13,6 +14,7 @@ forward's cannot interleave with: with the thread launcher a forward runs beside
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +27,8 @@ from mm_engine.request import ImageSpan
 if TYPE_CHECKING:
     from mm_engine.parallel.executor import TensorParallel
 
+logger = logging.getLogger("mm_engine.parallel")
+
 
 def split_images(images: list[ImageSpan], world: int) -> list[list[int]]:
     """Indices of `images` per rank, in their order within a share: the largest first, each to
@@ -35,6 +39,10 @@ def split_images(images: list[ImageSpan], world: int) -> list[list[int]]:
         loads[r] += images[i].pixel_values.numel()
         shares[r].append(i)
     return [sorted(s) for s in shares]
+
+
+class EncodeError(RuntimeError):
+    """A worker's share of a step's images failed to encode (the worker says why in its log)."""
 
 
 class DataParallelEncoder:
@@ -61,8 +69,17 @@ class DataParallelEncoder:
             for rank, share in enumerate(shares[1:], start=1):
                 share_images = [images[i] for i in share]
                 self.parallel.tell(rank, lambda pipe, s=share_images, r=rank: self._send(pipe, s, rows, r))
-            own = self.model.encode([images[i] for i in shares[0]]) if shares[0] else []
-            parts = group.gather_first(_pad(own, rows, self.feature, self.dtype, group.device))
+            own = [images[i] for i in shares[0]]
+            padded, error = _encode_padded(self.model, own, rows, self.feature, self.dtype, group.device)
+            parts = group.gather_first(padded)
+            failed = group.gather_first(_failed_flag(error, group.device))
+        if error is not None:
+            raise error
+        bad = [rank for rank, flag in enumerate(failed) if int(flag.item())]
+        if bad:  # a batch that fails, as on rank 0: the engine goes on with the other requests
+            raise EncodeError(
+                f"tensor-parallel rank(s) {bad} could not encode their share of the step's images"
+            )
         out: list[torch.Tensor | None] = [None] * len(images)
         for share, part in zip(shares, parts, strict=True):
             at = 0
@@ -94,8 +111,27 @@ def encode_share(msg: Encode, model: MultimodalModel, group: TPGroup) -> None:
         mask = None if spec.pixel_mask is None else _recv(spec.pixel_mask, group)
         grid = None if spec.grid is None else tuple(spec.grid)
         images.append(ImageSpan(0, spec.num_embeds, pixels, "", None, spec.num_embeds, grid, mask))
-    feats = model.encode(images) if images else []
-    group.gather_first(_pad(feats, msg.rows, msg.feature, DTYPES[msg.dtype], group.device))
+    padded, error = _encode_padded(model, images, msg.rows, msg.feature, DTYPES[msg.dtype], group.device)
+    if error is not None:
+        logger.error("encoding %d image(s) failed: %s", len(images), error)
+    group.gather_first(padded)
+    group.gather_first(_failed_flag(error, group.device))
+
+
+def _encode_padded(
+    model: MultimodalModel, images: list[ImageSpan], rows: int, feature: list[int], dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, Exception | None]:  # fmt: skip
+    """A share's features as `[rows, *feature]`; zeros and the error where its encode failed: a
+    rank joins the gathers either way, or the others would wait for it."""
+    try:
+        return _pad(model.encode(images) if images else [], rows, feature, dtype, device), None
+    except Exception as exc:  # noqa: BLE001 - reported after the gathers
+        return torch.zeros((rows, *feature), dtype=dtype, device=device), exc
+
+
+def _failed_flag(error: Exception | None, device: torch.device) -> torch.Tensor:
+    return torch.tensor([int(error is not None)], device=device)
 
 
 def _pad(

@@ -10,6 +10,7 @@ import torch
 from conftest import make_image
 
 from mm_engine import LLM, SamplingParams
+from mm_engine.faults import StepFailedError
 from mm_engine.parallel.vision_dp import DataParallelEncoder, split_images
 from mm_engine.request import ImageSpan
 
@@ -101,5 +102,32 @@ def test_an_encode_beside_a_launched_forward_takes_its_turn(clip_llama):
             finals.update({o.request_id: o for o in engine.step() if o.finished})
         assert [list(finals[str(i)].outputs[0].token_ids) for i in range(4)] == expected
         assert engine.runner.encoder.images_per_rank == [2, 2]
+    finally:
+        llm.close()
+
+
+def test_a_share_that_fails_to_encode_fails_its_batch_and_the_ranks_go_on(clip_llama):
+    """Rank 0's own share raises (as a worker's would): every rank still joins the gathers, the
+    batch fails like any failed encode (no device fault), and the next batch runs over both ranks."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [list(o.outputs[0].token_ids) for o in LLM(clip_llama, **WIDE).generate(_prompts(), params)]
+    llm = LLM(clip_llama, tensor_parallel_size=2, **WIDE)
+    try:
+        engine, model = llm.engine, llm.engine.model
+        encode = model.encode
+
+        def fails_once(images):
+            model.encode = encode
+            raise ValueError("this share cannot be encoded")
+
+        model.encode = fails_once
+        engine.add_request(_prompts()[0], params, request_id="doomed")
+        with pytest.raises(StepFailedError) as info:
+            engine.step()
+        assert not info.value.device_lost and info.value.request_ids == ["doomed"]
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+        outs = llm.generate(_prompts(), params)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        assert engine.runner.encoder.images_per_rank == [1 + 2, 1 + 2]  # the failed step, then the batch
     finally:
         llm.close()
