@@ -63,6 +63,8 @@ class Peers(Protocol):
 
     def send(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> None: ...
 
+    def broken(self, exc: BaseException) -> Exception: ...
+
 
 class ModelRunner:
     def __init__(
@@ -230,7 +232,10 @@ class ModelRunner:
                 return self._forward(inputs, prev_tokens)
             with self.peers.turn:  # in the forward's own order (the CUDA stream, the launcher thread)
                 self.peers.send(inputs, prev_tokens if inputs.from_prev is not None else None)
-                return self._forward(inputs, prev_tokens)
+                try:
+                    return self._forward(inputs, prev_tokens)
+                except Exception as exc:  # the workers are inside this forward's collectives
+                    raise self.peers.broken(exc) from exc
 
     @torch.inference_mode()
     def _forward(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, list]:

@@ -112,6 +112,17 @@ class TensorParallel:
             if code is not None:
                 raise ParallelError(f"tensor-parallel worker rank {rank} exited with code {code}")
 
+    def broken(self, exc: BaseException) -> ParallelError:
+        """Rank 0 failed between a step's collectives (out of memory in a forward, say): the
+        workers wait in one that will never come, and the next step's would pair with it. The
+        group cannot go on, so the workers stop now, and the engine with them (a device fault)."""
+        _kill(self._procs)
+        if isinstance(exc, ParallelError):
+            return exc
+        return ParallelError(
+            f"rank 0 failed in the middle of a tensor-parallel step ({type(exc).__name__}: {exc})"
+        )
+
     def close(self) -> None:
         if self._closed:
             return

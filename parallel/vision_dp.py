@@ -66,13 +66,18 @@ class DataParallelEncoder:
         rows = max(sum(images[i].num_embeds for i in share) for share in shares)
         group = self.parallel.group
         with self.parallel.turn:
-            for rank, share in enumerate(shares[1:], start=1):
-                share_images = [images[i] for i in share]
-                self.parallel.tell(rank, lambda pipe, s=share_images, r=rank: self._send(pipe, s, rows, r))
-            own = [images[i] for i in shares[0]]
-            padded, error = _encode_padded(self.model, own, rows, self.feature, self.dtype, group.device)
-            parts = group.gather_first(padded)
-            failed = group.gather_first(_failed_flag(error, group.device))
+            try:
+                for rank, share in enumerate(shares[1:], start=1):
+                    share_images = [images[i] for i in share]
+                    self.parallel.tell(
+                        rank, lambda pipe, s=share_images, r=rank: self._send(pipe, s, rows, r)
+                    )
+                own = [images[i] for i in shares[0]]
+                padded, error = _encode_padded(self.model, own, rows, self.feature, self.dtype, group.device)
+                parts = group.gather_first(padded)
+                failed = group.gather_first(_failed_flag(error, group.device))
+            except Exception as exc:  # a send or a gather: the group is out of step
+                raise self.parallel.broken(exc) from exc
         if error is not None:
             raise error
         bad = [rank for rank, flag in enumerate(failed) if int(flag.item())]

@@ -115,6 +115,30 @@ def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama, then):
         llm.close()
 
 
+def test_rank0_failing_inside_a_forward_stops_the_group_at_once(clip_llama):
+    """Out of memory in rank 0's second layer, say: the worker waits in a collective that will
+    never come, and the next step's would pair with it (wrong tokens, silently). So it is a device
+    fault: the workers stop at once, every block is freed, and closing does not wait for them."""
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2)
+    try:
+        engine = llm.engine
+        engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        mlp = engine.model.language_model.layers[1].mlp
+
+        def out_of_memory(x):
+            raise torch.OutOfMemoryError("no memory for the MLP")
+
+        mlp.forward = out_of_memory
+        with pytest.raises(StepFailedError) as info:
+            engine.step()
+        assert info.value.device_lost
+        assert all(proc.poll() is not None for proc in engine.parallel._procs)
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    finally:
+        llm.close()
+
+
 def test_it_composes_with_the_core_process_and_data_parallelism(clip_llama):
     import asyncio
 
