@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 from pathlib import Path
@@ -29,6 +28,7 @@ from bench import vlm
 from bench.machine import machine_info
 from bench.offline import workload_requests
 from bench.offline_runs import Job, engine_run, run_in_child
+from bench.save import save_json
 
 ROOT = Path(__file__).resolve().parents[1]
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {name} | {r['seconds']:.2f} | {r['images_per_s']:.2f} | {r['peak_rss_mib']:.0f} | "
               f"{r['speed_vs_glibc_tuned']:.3f}x |")  # fmt: skip
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return result
 
 
@@ -132,8 +131,7 @@ def serve(args: argparse.Namespace) -> dict:
               f"{r['median_ttft_ms']:.0f} | {r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | "
               f"{r['throughput_vs_glibc_tuned']:.3f}x |")  # fmt: skip
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return result
 
 

@@ -13,7 +13,6 @@ each figure is the mean of its rounds. The tokens of every mode must equal the p
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from bench import vlm
 from bench.machine import machine_info
+from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.platform import environment
 
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(), "environment": environment(),
     }  # fmt: skip
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return 0 if all(r["tokens_equal_first"] for r in rows) else 1
 
 

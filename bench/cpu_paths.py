@@ -15,7 +15,6 @@ so a difference is reported, not fatal).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from bench.kernels_cpu import TORCH_ISA
 from bench.machine import machine_info
 from bench.offline import workload_requests
 from bench.offline_runs import Job, engine_run, run_in_child
+from bench.save import save_json
 
 PLAIN = {"cpu_packed_weights": False, "attention_backend": "torch"}
 ENGINE = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 * 1024**3}
@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"rows": rows, "threads": args.threads, "machine": machine_info()}
     print_table(results)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        save_json(args.json, results)
     return results
 
 

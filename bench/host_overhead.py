@@ -21,7 +21,6 @@ critical path when it runs on its own (core phases plus encoding), the frontend'
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from collections import defaultdict
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
+from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.core import messages as m
 from mm_engine.platform import environment
@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['batch']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {"machine": info, "steps": args.steps, "rows": rows}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return 0
 
 

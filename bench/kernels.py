@@ -19,7 +19,6 @@ the CPU time to launch ahead, so they are GPU times with little of the Python la
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.save import save_json
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.triton_backend import TritonBackend
 from mm_engine.pools.kv_cache import paged_kv_tensor
@@ -284,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill_grid = [(b, c) for b in PREFILL_BATCHES for c in CONTEXTS if b * c <= MAX_PREFILL_TOKENS]
     results = run(device, Shape(), decode_grid, prefill_grid)
     print_tables(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    save_json(args.out, results)
     print(f"\nwrote {args.out}")
     return 0
 

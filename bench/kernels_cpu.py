@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.save import save_json
+
 # torch held to each variant's ISA (read by torch, oneDNN and MKL at start-up).
 TORCH_ISA = {
     "avx512": {},
@@ -218,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         res["verdict"] = verdict(res["rows"])
         results["variants"][name] = res
     print_table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    save_json(args.out, results)
     print(f"\nsaved {args.out}")
     return 0
 

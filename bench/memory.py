@@ -25,7 +25,6 @@ be free again (or merely cached for prefix reuse), else the exit status is 1.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ from transformers import StaticCache
 
 from bench import vlm
 from bench.machine import machine_info
+from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.pools.block_manager import IMAGE, TEXT
 
@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_tokens": {k: _length_stats(v) for k, v in kinds.items()},
             "machine": machine_info(),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**r, "inputs": inputs}, indent=2))
+        save_json(args.json, {**r, "inputs": inputs})
         print(f"saved {args.json}")
     return 1 if any(r["leaked_blocks"].values()) or r["untracked_blocks_max"] else 0
 

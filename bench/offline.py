@@ -46,6 +46,7 @@ from bench import vlm
 from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s
 from bench.offline_runs import Job, engine_run, hf_run, run_in_child
 from bench.offline_structured import print_structured, structured_cost
+from bench.save import save_json
 
 HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (4, 8, 16)}  # chat at 32 lost to 8 and costs 90 s
 HF_SWEEP_GPU = {"caption": (8, 16, 32, 64, 128), "chat": (8, 16, 32, 64, 128)}
@@ -186,8 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = structured_cost(job, schema)
         print_structured(result)
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            save_json(args.json, result)
         if result["json_schema_valid"] != result["json_schema_completed"]:
             raise SystemExit("a completed constrained output does not validate against the schema")
         return result
@@ -264,8 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["profile_shares"] = {k: v / engine_runs[0] for k, v in ours["profile"].items()}
     print_table(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     if same != compared and dtype == "float32":
         raise SystemExit(f"token mismatch: only {same}/{compared} sampled requests are identical")
     return result

@@ -13,7 +13,6 @@ longest wait of any text request, and throughput.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 import time
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.testing import build_checkpoint
 
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = results["fcfs"][key], results["priority"][key]
         print(f"{key:<26}{a:>10.1f}{b:>10.1f}{b / a if a else float('nan'):>8.2f}")
     results["config"] = vars(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    save_json(Path(args.out), results)
     print(f"saved {args.out}")
     return 0
 

@@ -13,7 +13,6 @@ and the figure of merit is bound / measured time. Both rates are measured in the
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -24,6 +23,7 @@ from transformers import AutoConfig
 
 from bench import vlm
 from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s, memory_bytes_per_s
+from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.testing import WORDS
 
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print_table(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return result
 
 

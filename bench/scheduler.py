@@ -15,7 +15,6 @@ in milliseconds per queue length; the goal is p99 <= 2 ms at 10,000 waiting and 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
+from bench.save import save_json
 from mm_engine.platform import environment
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
@@ -122,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = " | ".join(f"{r[k]:.3f}" for k in ("p50_ms", "p99_ms", "max_ms"))
         print(f"| {r['waiting']} | {r['running']} | {ms} |")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {"machine": info, "policy": args.policy, "steps": args.steps, "rows": rows}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return 0
 
 

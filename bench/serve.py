@@ -40,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.machine import machine_info
+from bench.save import save_json
 from bench.serve_compare import compare
 from bench.serve_metrics import RequestRecord, compute_metrics, markdown_table, parse_goodput
 from bench.serve_process import running_server
@@ -278,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.serve: error: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -15,7 +15,6 @@ constrained output starts as the schema's object does, and the free outputs diff
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
+from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.platform import environment
 from mm_engine.sampling_params import StructuredOutputs
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'json_schema':<12} {constrained:8.2f} {tokens / constrained:8.1f}")
     print(f"overhead of the grammar: {100 * result['overhead']:+.1f}%")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     return 0 if result["constrained_start_with_brace"] and result["outputs_differ"] else 1
 
 

@@ -16,7 +16,6 @@ must, in float32).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from bench import vlm
 from bench.machine import machine_info
 from bench.offline import workload_requests
 from bench.offline_runs import Job, engine_run, run_in_child
+from bench.save import save_json
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['images_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['ratio_to_first']:.2f}x | "
               f"{r['tokens_equal_first']} |")  # fmt: skip
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        save_json(args.json, result)
     if dtype == "float32" and not all(r["tokens_equal_first"] for r in rows):
         raise SystemExit("a tensor-parallel size changed the greedy tokens")
     return result
