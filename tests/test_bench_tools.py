@@ -100,7 +100,8 @@ def test_offline_json_schema_measures_structured_output_side_by_side(tmp_path):
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     res = offline.main(
         ["--model", str(model), "--json-schema", str(tmp_path / "schema.json"), "--num-images", "4",
-         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--json", str(tmp_path / "so.json")]
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--rate-sizes", "128",
+         "--json", str(tmp_path / "so.json")]
     )  # fmt: skip
     assert res["mode"] == "json_schema" and res["num_requests"] == 4 and len(res["free_seconds_runs"]) == 2
     assert res["json_schema_completed"] >= 1 and res["json_schema_valid"] == res["json_schema_completed"]
