@@ -18,12 +18,12 @@ from transformers import AutoTokenizer
 
 from mm_engine import models
 from mm_engine.admission import Admission
-from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from mm_engine.config import EngineConfig
 from mm_engine.core.launcher import Launched, make_launcher
 from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.reports import core_stats, kv_report
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
-from mm_engine.cpu_memory import huge_page_empty, tune_malloc
+from mm_engine.cpu_memory import tune_malloc
 from mm_engine.faults import StepFailedError, is_device_fault
 from mm_engine.logit_adjust import row_contexts
 from mm_engine.model_loader import load_config, resolve_model_path
@@ -32,9 +32,7 @@ from mm_engine.parallel.executor import TensorParallel
 from mm_engine.parallel.ranks import kv_spec, rank_device, rank_threads
 from mm_engine.parallel.vision_dp import DataParallelEncoder
 from mm_engine.platform import make_platform
-from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
-from mm_engine.pools.block_pool import BlockPool
-from mm_engine.pools.kv_cache import KVCache, kv_memory_bytes, split_blocks
+from mm_engine.pools.setup import build_pools
 from mm_engine.pools.swap import HostSwap
 from mm_engine.prompt_logprobs import prompt_logprobs
 from mm_engine.request import Request
@@ -90,23 +88,8 @@ class EngineCore(OverlappedSteps):
         self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
         lm = self.model.language_model
         spec = kv_spec(config, text_cfg, lm, config.tensor_parallel_size)
-        kv_bytes = kv_memory_bytes(
-            config.kv_cache_memory_bytes, self.device, config.gpu_memory_utilization, CPU_DEFAULT_KV_BYTES
-        )
-        num_blocks = kv_bytes // spec.bytes_per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
-        if self.parallel is not None:  # every rank holds its heads of the same blocks
-            self.parallel.share_num_blocks(num_blocks)
-        n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
-        self.kv = KVCache(spec, num_blocks, self.device, huge_page_empty if config.cpu_huge_pages else None)
-        self.blocks = BlockManager(
-            BlockPool(TEXT, 0, n_text),
-            BlockPool(IMAGE, n_text, n_image),
-            config.block_size,
-            config.enable_prefix_caching,
-            config.kv_watermark,
-        )
+        share = self.parallel.share_num_blocks if self.parallel is not None else None
+        self.kv, self.blocks = build_pools(config, spec, self.device, share)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         # By default one step may encode at least one whole image, whatever the token budget.
         default_budget = max(config.max_num_batched_tokens, self.max_image_tokens)

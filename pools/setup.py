@@ -1,0 +1,42 @@
+"""The KV cache and the two block pools an engine core starts with, sized from its config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from mm_engine.cpu_memory import huge_page_empty
+from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
+from mm_engine.pools.block_pool import BlockPool
+from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, kv_memory_bytes, split_blocks
+
+
+def build_pools(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    on_count: Callable[[int], None] | None = None,
+) -> tuple[KVCache, BlockManager]:
+    """As many blocks of `spec` as the KV memory holds, split between the text and image pools.
+    `on_count(blocks)` hears the count before anything is allocated (tensor-parallel workers
+    hold their heads of the same blocks)."""
+    kv_bytes = kv_memory_bytes(
+        config.kv_cache_memory_bytes, device, config.gpu_memory_utilization, CPU_DEFAULT_KV_BYTES
+    )
+    num_blocks = kv_bytes // spec.bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
+    if on_count is not None:
+        on_count(num_blocks)
+    n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
+    kv = KVCache(spec, num_blocks, device, huge_page_empty if config.cpu_huge_pages else None)
+    blocks = BlockManager(
+        BlockPool(TEXT, 0, n_text),
+        BlockPool(IMAGE, n_text, n_image),
+        config.block_size,
+        config.enable_prefix_caching,
+        config.kv_watermark,
+    )
+    return kv, blocks
