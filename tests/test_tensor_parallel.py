@@ -230,16 +230,19 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         llm.close()
 
 
-# One family per language-model and connector path not split elsewhere: Qwen3-VL (DeepStack, q/k
-# norms, interleaved M-RoPE), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
-# (patch merger, grids), LLaVA-OneVision (anyres packing, Qwen2's biases). Their twins share these
-# paths: Qwen2.5-VL (Qwen2-VL's LM), SmolVLM (Idefics3, tests/test_vision_dp.py), InternVL-Qwen3,
-# LLaVA-NeXT. LLaVA and Qwen2-VL are above, Gemma 3 in tests/test_gemma3.py.
-@pytest.mark.parametrize("family", ["qwen3_vl", "internvl", "mistral3", "llava_onevision"])
+# One family per language-model and connector path: Qwen2-VL (M-RoPE, image grids), Qwen3-VL
+# (DeepStack, q/k norms, interleaved M-RoPE), Idefics3 (padded crops with a pixel mask), InternVL
+# (pixel shuffle, the tower/projector layout), Mistral 3 (patch merger), LLaVA-OneVision (anyres
+# packing, Qwen2's biases). Their twins share these paths: Qwen2.5-VL, SmolVLM, InternVL-Qwen3,
+# LLaVA-NeXT. LLaVA is above, Gemma 3 in tests/test_gemma3.py.
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen3_vl", "idefics3", "internvl", "mistral3", "llava_onevision"]
+)
 def test_the_families_split_over_two_ranks(vl_family, family):
     """TP=2 against transformers, two images in one step so that the worker encodes a share."""
     path, ref = vl_family(family)
-    cases = [(family_prompt(family, "describe both", 2), [make_image(3, (40, 60)), make_image(4)], 6),
+    two = [make_image(3, (40, 60)), make_image(4, (64, 32))]  # of different sizes (grids, masks)
+    cases = [(family_prompt(family, "describe both", 2), two, 6),
              (family_prompt(family, "hello there", 0), [], 6)]  # fmt: skip
     llm = LLM(path, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
     try:
