@@ -44,8 +44,8 @@ def rank_threads(config: EngineConfig) -> int | None:
 def torch_threads(n: int | None) -> Iterator[None]:
     """Rank 0's work with `n` torch threads, on the calling thread only (an OpenMP thread count is
     the thread's own), and what it had before put back after: rank 0 may be the user's process."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
+    before = None if n is None else torch.get_num_threads()
+    if before is None or n == before:
         yield
         return
     torch.set_num_threads(n)
