@@ -16,7 +16,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from mm_engine.api.schemas import ErrorDetail, ErrorResponse
-from mm_engine.async_types import (
+from mm_engine.engine.async_types import (
     EngineDeadError,
     EngineDrainingError,
     EngineError,

@@ -23,8 +23,8 @@ from mm_engine.api.limits import check_image_count, check_stop, fit_max_tokens, 
 from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import CaptionChunk, CaptionForm, CaptionResponse, usage_of
 from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
-from mm_engine.async_types import ProcessedInputs
-from mm_engine.inputs import InputProcessor
+from mm_engine.engine.async_types import ProcessedInputs
+from mm_engine.frontend.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import RequestOutputKind
 from mm_engine.vision.image_io import ImageError

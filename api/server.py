@@ -158,8 +158,8 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
     from mm_engine.async_llm import AsyncLLM
     from mm_engine.cli import engine_kwargs
     from mm_engine.config import EngineConfig
-    from mm_engine.core.async_client import AsyncMPLLM
-    from mm_engine.engine import LLMEngine
+    from mm_engine.engine.async_client import AsyncMPLLM
+    from mm_engine.engine.llm_engine import LLMEngine
 
     settings = settings_from_args(args, _model_name(args.model))
     settings.api_server_index = index

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from mm_engine.input_lanes import LIGHT_INPUT_BYTES
+from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.vision.image_io import ImageLimits
 
 MiB = 1024 * 1024

@@ -18,7 +18,7 @@ from litestar.response import Stream
 
 from mm_engine.api.errors import APIError, ClientDisconnected, engine_error, error_body, logger
 from mm_engine.api.schemas import encoder
-from mm_engine.async_types import EngineError
+from mm_engine.engine.async_types import EngineError
 from mm_engine.outputs import RequestOutput
 
 T = TypeVar("T")

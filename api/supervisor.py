@@ -32,10 +32,10 @@ from pathlib import Path
 
 from mm_engine.cli import engine_kwargs
 from mm_engine.config import EngineConfig
-from mm_engine.core.client import core_config, spawn_core
 from mm_engine.core.process import StartUp
-from mm_engine.frontend import build_frontend
-from mm_engine.model_loader import load_config, resolve_model_path
+from mm_engine.engine.process_client import core_config, spawn_core
+from mm_engine.frontend.setup import build_frontend
+from mm_engine.models.loader import load_config, resolve_model_path
 
 POLL_S = 0.2
 

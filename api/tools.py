@@ -3,7 +3,7 @@ the tool calls come out of each choice's text (whole, or as it streams).
 
 tool_choice:
 - "auto" (the default when tools are given): the template describes the tools and the model's
-  answer is parsed in its family's format (mm_engine.tool_calls); what is not a call is content.
+  answer is parsed in its family's format (mm_engine.frontend.tool_calls); what is not a call is content.
 - "none": the tools are not shown and nothing is parsed (as vLLM does by default).
 - "required": the answer is held by a grammar to a JSON array of one or more calls, each
   `{"name": one of the tools, "arguments": that tool's parameters}` (one only without
@@ -26,8 +26,8 @@ from mm_engine.api.openai_schemas import (
     MessageToolCall,
     NamedToolChoice,
 )
+from mm_engine.frontend.tool_calls import PARSERS, ToolCall, as_call, new_call, parse_whole
 from mm_engine.sampling_params import StructuredOutputs
-from mm_engine.tool_calls import PARSERS, ToolCall, as_call, new_call, parse_whole
 
 
 @dataclass(frozen=True, slots=True)

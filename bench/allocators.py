@@ -1,5 +1,5 @@
 """jemalloc against glibc malloc, with and without the engine's own malloc tuning
-(mm_engine/cpu_memory.py), on the same offline job side by side: each run a fresh process, the
+(pools/cpu_memory.py), on the same offline job side by side: each run a fresh process, the
 four settings in turn, `--rounds` times (so drift spreads over all of them).
 
     python -m bench.allocators [--num-images 32] [--rounds 2] [--json bench/results/allocators.json]

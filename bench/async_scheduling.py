@@ -22,7 +22,7 @@ from bench import vlm
 from bench.machine import machine_info
 from bench.save import save_json
 from mm_engine import LLM, SamplingParams
-from mm_engine.platform import environment
+from mm_engine.models.platform import environment
 
 
 def _engine_args(mode: str, device: str, dtype: str) -> dict:

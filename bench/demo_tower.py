@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from transformers import LlavaForConditionalGeneration
 
-from mm_engine import scenes
+from mm_engine.demo import scenes
 from mm_engine.vision.preprocess import ImagePreprocessor
 
 IMAGE_SIZE, PATCH = 96, 12  # 8 x 8 = 64 image tokens

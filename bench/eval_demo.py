@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from mm_engine import LLM, SamplingParams, scenes
+from mm_engine import LLM, SamplingParams
+from mm_engine.demo import scenes
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "mm_engine" / "demo_model"
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "mm_engine" / "demo" / "demo_model"
 KV_BYTES = 64 * 1024**2  # plenty for this model; the CPU default (2 GiB) only costs time to zero
 MAX_TOKENS = 24  # the longest caption is 16 tokens plus EOS
 

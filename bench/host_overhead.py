@@ -32,7 +32,7 @@ from bench.machine import machine_info
 from bench.save import save_json
 from mm_engine import LLM, SamplingParams
 from mm_engine.core import messages as m
-from mm_engine.platform import environment
+from mm_engine.models.platform import environment
 from mm_engine.testing import build_checkpoint
 
 TINY_LM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_checkpoint(Path(tmp) / "tiny", text_dims=TINY_LM))
+        model = str(build_checkpoint("llava", Path(tmp) / "tiny", text_dims=TINY_LM))
         rows = [measure(model, int(b), args.steps, args.device) for b in args.batches.split(",")]
     info = {**machine_info(), "cpu_variant": environment()["variant"], "device": args.device}
     print(f"decode step on {info.get('gpu') or info['cpu']} ({info['cpu_variant']}), ms per step")

@@ -68,7 +68,7 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
     from mm_engine.kernels import cpu_elementwise
     from mm_engine.kernels.cpu_kernels import KERNELS, select
     from mm_engine.kernels.ops import TORCH_OPS
-    from mm_engine.packed_linear import PackedLinear, PanelLinear
+    from mm_engine.models.layers.packed_linear import PackedLinear, PanelLinear
 
     kernels = select(kernels="all")
     assert kernels is not None and kernels.enabled == frozenset(KERNELS)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from mm_engine.kernels import cpu_build
-    from mm_engine.platform import environment
+    from mm_engine.models.platform import environment
 
     names = (
         args.variants.split(",")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mm_engine.models.layers.packed_linear import PackedLinear, can_pack
 from mm_engine.models.llava import feature_layers, tokens_per_image
-from mm_engine.packed_linear import PackedLinear, can_pack
 
 
 def _best_seconds(fn, reps: int) -> float:

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_checkpoint(Path(tmp) / "bench", image_size=64, patch_size=8, seed=args.seed)
+        path = build_checkpoint("llava", Path(tmp) / "bench", image_size=64, patch_size=8, seed=args.seed)
         engines = {
             policy: LLM(
                 str(path),

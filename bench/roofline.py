@@ -25,7 +25,7 @@ from bench import vlm
 from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s, memory_bytes_per_s
 from bench.save import save_json
 from mm_engine import LLM, SamplingParams
-from mm_engine.testing import WORDS
+from mm_engine.testing.common import WORDS
 
 
 def step_seconds(llm: LLM, batch: int, context: int, steps: int, seed: int) -> list[float]:

@@ -23,7 +23,7 @@ import torch
 
 from bench.machine import machine_info
 from bench.save import save_json
-from mm_engine.platform import environment
+from mm_engine.models.platform import environment
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
 from mm_engine.request import ImageSpan, Request

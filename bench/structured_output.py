@@ -24,7 +24,7 @@ import torch
 from bench.machine import machine_info
 from bench.save import save_json
 from mm_engine import LLM, SamplingParams
-from mm_engine.platform import environment
+from mm_engine.models.platform import environment
 from mm_engine.sampling_params import StructuredOutputs
 from mm_engine.testing import build_checkpoint
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = build_checkpoint(tempfile.mkdtemp(prefix="mm-bench-so-"), byte_level=True, text_dims=TEXT,
+    path = build_checkpoint("llava", tempfile.mkdtemp(prefix="mm-bench-so-"), byte_level=True, text_dims=TEXT,
                             vocab_size=args.vocab_size)  # fmt: skip
     llm = LLM(str(path), device=args.device, max_num_seqs=256)
     prompts = [f"USER: describe picture {i} ASSISTANT:" for i in range(args.requests)]

@@ -1,6 +1,6 @@
 """Train the shipped demo model (a tiny LLaVA that captions generated scenes) from a seed, on CPU.
 
-    python -m bench.train_demo [--seed 0] [--threads 2] [--out mm_engine/demo_model]
+    python -m bench.train_demo [--seed 0] [--threads 2] [--out mm_engine/demo/demo_model]
 
 Why staged: trained end to end on captions alone, a vision tower that starts from scratch barely
 learns (the caption loss reaches it only through the language model), and accuracy stalls near 25%.
@@ -52,13 +52,13 @@ from bench.demo_tower import (
     tower_loss,
     train_tower,
 )
-from mm_engine import scenes
+from mm_engine.demo import scenes
 
 VISION = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
 # Four layers: with three, looking a shape up by its kind and colour together was learnt late or never.
 TEXT = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
 SPECIAL_TOKENS = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "mm_engine" / "demo_model"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "mm_engine" / "demo" / "demo_model"
 
 # Images first, whatever order the parts come in: the model only ever saw "<image> question".
 CHAT_TEMPLATE = (

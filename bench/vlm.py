@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from mm_engine import scenes
+from mm_engine.demo import scenes
 from mm_engine.testing import build_checkpoint
 
 NAME = "smolvlm-like-v2"  # bump when the dimensions change, so an old cache is not reused
@@ -74,6 +74,7 @@ def bench_model_path(byte_level: bool = False, even_heads: bool = False) -> Path
     print(f"building the benchmark model into {path} (once) ...", flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = build_checkpoint(
+            "llava",
             Path(tmp) / name,
             vision="siglip",
             text="llama",
@@ -123,17 +124,15 @@ def resolve_model(model: str | None) -> str:
 
 
 def bench_qwen_model_path() -> Path:
-    from mm_engine.testing_qwen import build_qwen_checkpoint
-
     path = cache_dir() / QWEN_NAME
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"building the Qwen2.5-VL benchmark model into {path} (once) ...", flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = build_qwen_checkpoint(
-            Path(tmp) / QWEN_NAME,
+        built = build_checkpoint(
             "qwen2_5_vl",
+            Path(tmp) / QWEN_NAME,
             patch_size=14,
             min_pixels=392 * 392,
             max_pixels=1024 * 28 * 28,

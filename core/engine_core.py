@@ -16,30 +16,30 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from mm_engine import models
-from mm_engine.admission import Admission
+import mm_engine.models as models
 from mm_engine.config import EngineConfig
+from mm_engine.core.admission import Admission
+from mm_engine.core.faults import StepFailedError, is_device_fault
 from mm_engine.core.launcher import Launched, make_launcher
+from mm_engine.core.logit_adjust import row_contexts
+from mm_engine.core.model_runner import ModelRunner
 from mm_engine.core.overlap import OverlappedSteps
+from mm_engine.core.prompt_logprobs import prompt_logprobs
 from mm_engine.core.reports import core_stats, kv_report
+from mm_engine.core.sampler import Sampler
+from mm_engine.core.structured_output import Grammars, GrammarWaitlist
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
-from mm_engine.cpu_memory import tune_malloc
-from mm_engine.faults import StepFailedError, is_device_fault
-from mm_engine.logit_adjust import row_contexts
-from mm_engine.model_loader import load_config, resolve_model_path
-from mm_engine.model_runner import ModelRunner
+from mm_engine.models.loader import load_config, resolve_model_path
+from mm_engine.models.platform import make_platform
 from mm_engine.parallel.executor import TensorParallel
 from mm_engine.parallel.ranks import kv_spec, rank_device, rank_threads
 from mm_engine.parallel.vision_dp import DataParallelEncoder
-from mm_engine.platform import make_platform
+from mm_engine.pools.cpu_memory import tune_malloc
 from mm_engine.pools.setup import build_pools
 from mm_engine.pools.swap import HostSwap
-from mm_engine.prompt_logprobs import prompt_logprobs
 from mm_engine.request import Request
-from mm_engine.sampler import Sampler
 from mm_engine.sched.policy import make_policy
 from mm_engine.sched.scheduler import QueueFullError, ScheduledBatch, Scheduler
-from mm_engine.structured_output import Grammars, GrammarWaitlist
 from mm_engine.vision.encoder_cache import EncoderCache
 
 logger = logging.getLogger("mm_engine.core")

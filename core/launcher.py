@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mm_engine.core.logit_adjust import RowContext
+from mm_engine.core.model_runner import ModelRunner, StepInputs
+from mm_engine.core.sampler import Sampled, Sampler
 from mm_engine.core.types import TokenLogprobs
-from mm_engine.logit_adjust import RowContext
-from mm_engine.model_runner import ModelRunner, StepInputs
-from mm_engine.sampler import Sampled, Sampler
 from mm_engine.sampling_params import SamplingParams
 
 LAUNCH_MODES = ("inline", "thread")

@@ -12,11 +12,11 @@ only by later forwards, which run after it (on the CUDA stream, or on the launch
 
 from __future__ import annotations
 
+from mm_engine.core.faults import StepFailedError
 from mm_engine.core.launcher import Launched
+from mm_engine.core.logit_adjust import row_contexts
+from mm_engine.core.model_runner import PLACEHOLDER
 from mm_engine.core.types import CoreOutput
-from mm_engine.faults import StepFailedError
-from mm_engine.logit_adjust import row_contexts
-from mm_engine.model_runner import PLACEHOLDER
 from mm_engine.sched.scheduler import ScheduledBatch
 
 

@@ -1,4 +1,4 @@
-"""The engine-core process: `python -m mm_engine.core.process`, started by core/client.py.
+"""The engine-core process: `python -m mm_engine.core.process`, started by mm_engine/engine/process_client.py.
 
 It reads its start-up settings (engine config, addresses) as JSON on stdin, builds the EngineCore,
 says Ready, and then runs a busy loop: take every message waiting (adds, aborts, calls), run one
@@ -26,9 +26,9 @@ import zmq
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
 from mm_engine.core.engine_core import EngineCore
+from mm_engine.core.faults import StepFailedError
 from mm_engine.core.pixels import PixelStore
 from mm_engine.core.types import CoreRequest
-from mm_engine.faults import StepFailedError
 from mm_engine.sched.scheduler import QueueFullError
 
 HEARTBEAT_S = 1.0

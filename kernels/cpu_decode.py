@@ -1,7 +1,7 @@
 """The C decode-attention kernel for the CPU pool (`cpu_decode.c`), called via ctypes.
 
 The kernel reads each sequence's K/V straight from the pool, where the torch path first gathers a
-padded copy; on the benchmark model that is 2-5x faster per layer. It takes the library of one ISA
+padded copy, which costs a copy of the context per layer (docs/cpu.md). It takes the library of one ISA
 variant (kernels/cpu_build.py).
 """
 

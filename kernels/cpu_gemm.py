@@ -1,23 +1,13 @@
 """The C GEMM (`cpu_gemm.c`) for the language model's linear layers, called via ctypes.
 
 A decode step multiplies a few to 64 rows by every weight of the model, so on CPU the step is a
-stream of weights from memory. oneDNN's packed sgemm (which the vision tower keeps) read them at
-about half the machine's copy bandwidth at 1-8 rows and ran 64 rows at about 75% of its matmul
-rate. On the benchmark model's decoder (30 layers of q/k/v, o, gate/up
-and down projections, 2 threads of the 2-core AVX-512 development machine, the avx512
-variant), best of 5:
-
-    rows              1        8        16       32       48       64       2048
-    oneDNN            19 ms    22-26    26-30    42-52    69-72    76-83    219-220 GFLOP/s
-    cpu_gemm.c        10.5-11  12.5-15  19-20    36-42    58-59    70-77    208-215 GFLOP/s
-
-(rows 1-64 in ms per pass over the 30 layers). At one row that is 425 MB of weights at 40 GB/s.
-At 2048 rows (prefill) the two are within a few percent, either way round from run to run; inside
-a caption job they took the same time. Results differ from oneDNN's and MKL's in summation order
-only (about 1e-4 absolute on unit-scale activations), as any two GEMMs do.
+stream of weights from memory, and the GEMM's speed is how close it reads them to the machine's
+copy bandwidth; oneDNN's packed sgemm (which the vision tower keeps) stays well short of it at a
+few rows (docs/cpu.md has the figures). At prefill sizes the two are even. Results differ from
+oneDNN's and MKL's in summation order only, as any two GEMMs do.
 
 `pack_panels` packs a weight once, for the panel width of the library's variant; `gemm` runs
-y = x W^T + b on the packed panels. mm_engine.packed_linear wraps them as a module.
+y = x W^T + b on the packed panels. mm_engine.models.layers.packed_linear wraps them as a module.
 """
 
 from __future__ import annotations

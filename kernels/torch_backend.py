@@ -170,7 +170,7 @@ class TorchBackend:
     def _whole_prompts(self, query, out, k_cache, v_cache, meta, length: int, seqs, scale: float) -> None:
         """Prompts of one length prefilled whole in this step (no cached context), in one causal
         SDPA call: a captioning batch is many prompts of exactly one length, and one call over
-        them ran about 15% faster than one call each."""
+        them beats one call each."""
         block_size, num_kv_heads = k_cache.shape[1:3]
         tables = meta.block_tables[[i for i, _ in seqs]]
         k = self._gather(k_cache, tables, -(-length // block_size))[:, :, :length]  # [B, KVH, L, D]

@@ -22,12 +22,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mm_engine.async_frontend import AsyncFrontend
-from mm_engine.async_types import ModelInfo, StatsListener
 from mm_engine.config import EngineConfig
-from mm_engine.engine import LLMEngine
-from mm_engine.engine_loop import Command, EngineLoop
-from mm_engine.input_lanes import LIGHT_INPUT_BYTES
+from mm_engine.engine.async_frontend import AsyncFrontend
+from mm_engine.engine.async_types import ModelInfo, StatsListener
+from mm_engine.engine.engine_loop import Command, EngineLoop
+from mm_engine.engine.llm_engine import LLMEngine
+from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.vision.image_io import ImageLimits
 
 

@@ -13,8 +13,8 @@ import typing
 from pathlib import Path
 
 from mm_engine.api.server import add_serve_parser
-from mm_engine.caption_cli import add_caption_parser
 from mm_engine.config import EngineConfig
+from mm_engine.jobs.caption_cli import add_caption_parser
 
 # Where a command differs from the library's default: a command owns its process, a library
 # caller does not.
@@ -84,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from mm_engine.platform import environment
+    from mm_engine.models.platform import environment
 
     env = environment()
     if args.json:

@@ -14,7 +14,7 @@ CPU_DEFAULT_KV_BYTES = 2 * 1024**3
 
 def default_model_path() -> Path:
     """The small demo model shipped inside the package, used wherever a model is optional."""
-    path = Path(__file__).parent / "demo_model"
+    path = Path(__file__).parent / "demo" / "demo_model"
     if not (path / "config.json").is_file():
         raise ValueError("no model given and the embedded demo model is not installed; pass a model")
     return path
@@ -35,10 +35,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
-    # CPU: keep freed tensor memory in glibc's heap (mm_engine.cpu_memory). It changes the whole
+    # CPU: keep freed tensor memory in glibc's heap (mm_engine.pools.cpu_memory). It changes the whole
     # process's malloc, so a library caller opts in; the `mm-engine` commands turn it on.
     cpu_tune_malloc: bool = False
-    cpu_huge_pages: bool = False  # CPU: the KV pool on transparent huge pages (mm_engine.cpu_memory)
+    cpu_huge_pages: bool = False  # CPU: the KV pool on transparent huge pages (mm_engine.pools.cpu_memory)
     scheduling_policy: str = "priority"  # or "fcfs"
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
     max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less

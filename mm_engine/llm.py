@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mm_engine.config import EngineConfig
-from mm_engine.engine import LLMEngine
+from mm_engine.engine.llm_engine import LLMEngine
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 from mm_engine.sched.scheduler import QueueFullError
@@ -21,7 +21,7 @@ class LLM:
         detokenizing stay here and overlap with its steps)."""
         config = EngineConfig.from_kwargs(model, **engine_args)
         if multiprocess:
-            from mm_engine.core.mp_engine import MPEngine
+            from mm_engine.engine.mp_engine import MPEngine
 
             self.engine = MPEngine(config)
         else:
@@ -59,7 +59,7 @@ class LLM:
         """One conversation (a list of messages) or a list of conversations, through the chat
         template. `mm_processor_kwargs`: processor options for these requests (e.g. `max_pixels`).
         `tools`: OpenAI function tools the template describes to the model (families with a
-        tool-call format only); `mm_engine.tool_calls` parses the calls out of the text."""
+        tool-call format only); `mm_engine.frontend.tool_calls` parses the calls out of the text."""
         if not isinstance(messages, list | tuple):
             kind = type(messages).__name__
             raise ValueError(f"messages must be a list of message dicts (or of such lists), got {kind}")

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from mm_engine.models.interface import MultimodalModel, Processing
+from mm_engine.models.platform import Platform
 from mm_engine.parallel.group import TPGroup, check_divisible
-from mm_engine.platform import Platform
 
 # architecture -> (module, model class, processing class)
 FAMILIES: dict[str, tuple[str, str, str]] = {
@@ -84,7 +84,7 @@ def load_model(
 ) -> MultimodalModel:
     """The family's model on `platform`: its language model on the engine's paged layers and the
     platform's ops, its vision tower in `vision_dtype`. `pack_weights`: on CPU, linears run with
-    weights packed at load time (`mm_engine.packed_linear`). `tp`: the language model's shard of
+    weights packed at load time (`mm_engine.models.layers.packed_linear`). `tp`: the language model's shard of
     this tensor-parallel rank (the vision tower is whole on every rank)."""
     _, model_cls, _ = _family(config)
     return model_cls.from_checkpoint(path, config, dtype, vision_dtype, device, platform, pack_weights, tp)

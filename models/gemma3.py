@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_engine.gemma_layers import GemmaLM
 from mm_engine.models.interface import ProcessedImage, Processing
+from mm_engine.models.layers.gemma import GemmaLM
+from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.models.weights import (
     default_dtype,
@@ -34,7 +35,6 @@ from mm_engine.models.weights import (
 )
 from mm_engine.parallel.group import check_divisible
 from mm_engine.parallel.shard import shard_state
-from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 

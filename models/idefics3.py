@@ -26,6 +26,7 @@ from PIL import Image
 
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
 from mm_engine.models.options import longest_edge
+from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
@@ -34,7 +35,6 @@ from mm_engine.models.weights import (
     split_by_prefix,
 )
 from mm_engine.parallel.group import TPGroup
-from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 

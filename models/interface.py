@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from mm_engine.layers import DecoderLM
+from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.request import ImageSpan
 
 

@@ -21,8 +21,10 @@ from torch import nn
 from transformers import AutoModel
 from transformers.activations import ACT2FN
 
-from mm_engine.layers import DecoderLM
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.layers.decoder import DecoderLM
+from mm_engine.models.layers.packed_linear import PackedLinear
+from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
     default_dtype,
@@ -31,9 +33,7 @@ from mm_engine.models.weights import (
     read_weights,
     ready,
 )
-from mm_engine.packed_linear import PackedLinear
 from mm_engine.parallel.group import TPGroup
-from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 from mm_engine.vision.preprocess import ImagePreprocessor, load_image_processor_config

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from mm_engine.host_copy import to_device
+from mm_engine.kernels.host_copy import to_device
 from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.options import longest_edge
 from mm_engine.models.tower_projector import TowerProjectorModel

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_engine.host_copy import to_device
-from mm_engine.layers import mrope_streams
+from mm_engine.kernels.host_copy import to_device
 from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
+from mm_engine.models.layers.decoder import mrope_streams
 from mm_engine.models.mrope import mrope_positions
 from mm_engine.models.options import positive_option
+from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
@@ -35,7 +36,6 @@ from mm_engine.models.weights import (
     split_by_prefix,
 )
 from mm_engine.parallel.group import TPGroup
-from mm_engine.platform import Platform
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from mm_engine.models.interface import MultimodalModel
+from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
     load_tower_and_projector,
@@ -19,7 +20,6 @@ from mm_engine.models.weights import (
     split_by_prefix,
 )
 from mm_engine.parallel.group import TPGroup
-from mm_engine.platform import Platform
 
 
 class TowerProjectorModel(MultimodalModel):

@@ -11,10 +11,10 @@ from safetensors import safe_open
 from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
-from mm_engine.layers import DecoderLM
+from mm_engine.models.layers.decoder import DecoderLM
+from mm_engine.models.platform import Platform, adapt_vision_tower, pack_model_linears
 from mm_engine.parallel.group import TPGroup, check_divisible
 from mm_engine.parallel.shard import shard_state
-from mm_engine.platform import Platform, adapt_vision_tower, pack_model_linears
 
 
 class WeightRef:

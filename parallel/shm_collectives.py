@@ -1,12 +1,11 @@
 """All-reduce, all-gather and broadcast over shared memory, for the ranks of one CPU machine.
 
-Gloo's collectives take about 1.6 ms each for a small tensor on the development machine (worker
-threads and TCP on every call), and a step makes two per layer: that cost more than the
-forward. Here each rank has a slot in a shared file (two, alternating by call, so a fast rank
-never overwrites what a slow one still reads) and a sequence counter on a cache line of its own;
-a call writes the rank's part, publishes its counter, spins until every counter has caught up,
-and reads. Every rank sums the slots in rank order, so all get the same bits. A tensor larger than
-a slot goes to gloo instead.
+Gloo's collectives go through worker threads and TCP on every call, and a step makes two per layer:
+on a CPU that cost more than the forward (docs/cpu.md). Here each rank has a slot in a shared file
+(two, alternating by call, so a fast rank never overwrites what a slow one still reads) and a
+sequence counter on a cache line of its own; a call writes the rank's part, publishes its counter,
+spins until every counter has caught up, and reads. Every rank sums the slots in rank order, so all
+get the same bits. A tensor larger than a slot goes to gloo instead.
 
 x86 only: its stores become visible in program order, so a published counter means its data is
 there (the lock round trip before publishing also drains any write-combining stores).

@@ -17,8 +17,8 @@ from typing import BinaryIO
 import msgspec
 import torch
 
+from mm_engine.core.model_runner import StepInputs
 from mm_engine.kernels.metadata import AttentionMetadata
-from mm_engine.model_runner import StepInputs
 from mm_engine.parallel.group import TPGroup
 from mm_engine.parallel.ranks import WorkerStart
 

@@ -16,9 +16,10 @@ import sys
 import torch
 from torch import nn
 
-from mm_engine import models
-from mm_engine.model_loader import load_config, resolve_model_path
-from mm_engine.model_runner import ModelRunner
+import mm_engine.models as models
+from mm_engine.core.model_runner import ModelRunner
+from mm_engine.models.loader import load_config, resolve_model_path
+from mm_engine.models.platform import make_platform
 from mm_engine.parallel.group import destroy_group, init_group
 from mm_engine.parallel.ranks import kv_spec, rank_device
 from mm_engine.parallel.step_wire import (
@@ -33,7 +34,6 @@ from mm_engine.parallel.step_wire import (
     receive_step,
 )
 from mm_engine.parallel.vision_dp import encode_share
-from mm_engine.platform import make_platform
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.pools.swap import MirroredSwap
 from mm_engine.vision.encoder_cache import EncoderCache

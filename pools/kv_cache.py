@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Allocates an uninitialised CPU tensor of a shape and dtype (mm_engine.cpu_memory's huge-page
+# Allocates an uninitialised CPU tensor of a shape and dtype (mm_engine.pools.cpu_memory's huge-page
 # allocator, say); the pool does not care how.
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 
 from mm_engine.config import CPU_DEFAULT_KV_BYTES, EngineConfig
-from mm_engine.cpu_memory import huge_page_empty
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
+from mm_engine.pools.cpu_memory import huge_page_empty
 from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, kv_memory_bytes, split_blocks
 
 

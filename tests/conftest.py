@@ -15,7 +15,8 @@ if TEST_DEVICE_NAME == "cpu":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from tiny_checkpoint import build_checkpoint  # noqa: E402
+
+from mm_engine.testing import build_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
 TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
@@ -23,12 +24,14 @@ TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 @pytest.fixture(scope="session")
 def clip_llama(tmp_path_factory) -> str:
-    return str(build_checkpoint(tmp_path_factory.mktemp("clip_llama"), vision="clip", text="llama"))
+    return str(build_checkpoint("llava", tmp_path_factory.mktemp("clip_llama"), vision="clip", text="llama"))
 
 
 @pytest.fixture(scope="session")
 def siglip_qwen2(tmp_path_factory) -> str:
-    return str(build_checkpoint(tmp_path_factory.mktemp("siglip_qwen2"), vision="siglip", text="qwen2"))
+    return str(
+        build_checkpoint("llava", tmp_path_factory.mktemp("siglip_qwen2"), vision="siglip", text="qwen2")
+    )
 
 
 def make_image(seed: int, size: tuple[int, int] = (40, 30)) -> Image.Image:
@@ -87,29 +90,8 @@ class FamilyReference:
 
 
 def _build_family(name: str, path):
-    if name.startswith("qwen"):
-        from mm_engine.testing_qwen import build_qwen_checkpoint
-
-        return build_qwen_checkpoint(path, name)
-    if name in ("idefics3", "smolvlm"):
-        from mm_engine.testing_idefics import build_idefics_checkpoint
-
-        return build_idefics_checkpoint(path, name, seed=1 if name == "smolvlm" else 0)
-    if name in ("llava_next", "llava_onevision"):
-        from mm_engine.testing import build_anyres_checkpoint
-
-        return build_anyres_checkpoint(path, name)
-    if name == "gemma3":
-        from mm_engine.testing_gemma3 import build_gemma3_checkpoint
-
-        return build_gemma3_checkpoint(path)
-    if name == "mistral3":
-        from mm_engine.testing_mistral3 import build_mistral3_checkpoint
-
-        return build_mistral3_checkpoint(path)
-    from mm_engine.testing_internvl import build_internvl_checkpoint
-
-    return build_internvl_checkpoint(path, text="qwen3" if name == "internvl_qwen3" else "qwen2")
+    # SmolVLM shares Idefics3's architecture: a seed of its own gives it weights of its own
+    return build_checkpoint(name, path, **({"seed": 1} if name == "smolvlm" else {}))
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,7 @@ def test_processing_equals_the_hf_processor(vl_family, mode, n_images):
     from transformers import AutoConfig, AutoTokenizer
 
     from mm_engine import models
-    from mm_engine.inputs import InputProcessor
+    from mm_engine.frontend.inputs import InputProcessor
 
     for name in FAMILIES:
         path, ref = vl_family(name)

@@ -16,8 +16,8 @@ from mm_engine import LLM, SamplingParams
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
-from mm_engine.async_types import EngineDrainingError
-from mm_engine.core.async_client import AsyncMPLLM
+from mm_engine.engine.async_client import AsyncMPLLM
+from mm_engine.engine.async_types import EngineDrainingError
 
 SETTINGS = ServerSettings(served_model_names=["tiny", "tiny-alias"], default_max_tokens=8)
 

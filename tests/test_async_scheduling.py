@@ -13,7 +13,7 @@ import pytest
 from conftest import make_image
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.faults import StepFailedError
+from mm_engine.core.faults import StepFailedError
 
 MODES = ["inline", "thread"]
 TIGHT = dict(kv_cache_memory_bytes=16 * 1024 * 20, block_size=8, image_pool_fraction=0.4)

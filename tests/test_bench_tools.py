@@ -94,7 +94,7 @@ def test_offline_roofline_and_report_end_to_end(clip_llama, tmp_path, capsys):
 def test_offline_json_schema_measures_structured_output_side_by_side(tmp_path):
     from mm_engine.testing import build_checkpoint
 
-    model = build_checkpoint(tmp_path / "bytes", byte_level=True)
+    model = build_checkpoint("llava", tmp_path / "bytes", byte_level=True)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"],
               "additionalProperties": False}  # fmt: skip
     (tmp_path / "schema.json").write_text(json.dumps(schema))

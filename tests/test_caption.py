@@ -19,12 +19,12 @@ import torch
 from conftest import make_image
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.caption import Captioner, caption_images
-from mm_engine.caption_cli import main
-from mm_engine.caption_inputs import CaptionInput
+from mm_engine.jobs.caption import Captioner, caption_images
+from mm_engine.jobs.caption_cli import main
+from mm_engine.jobs.caption_inputs import CaptionInput
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = "import sys; from mm_engine.caption_cli import main; sys.exit(main())"
+CLI = "import sys; from mm_engine.jobs.caption_cli import main; sys.exit(main())"
 PROMPT = "USER: <image> describe this picture ASSISTANT:"
 MAX_TOKENS = 6
 KV = 8 * 1024**2

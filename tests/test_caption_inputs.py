@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import make_image
 
-from mm_engine.caption_inputs import discover, in_shard, parse_shard, read_done_ids
+from mm_engine.jobs.caption_inputs import discover, in_shard, parse_shard, read_done_ids
 
 
 def _png(path: Path, seed: int = 0) -> Path:

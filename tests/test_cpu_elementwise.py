@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from mm_engine.kernels import cpu_elementwise
 from mm_engine.kernels.ops import TORCH_OPS, CpuOps
-from mm_engine.layers import MLP
-from mm_engine.platform import OpsGeluTanh
+from mm_engine.models.layers.decoder import MLP
+from mm_engine.models.platform import OpsGeluTanh
 
 INF, NAN = float("inf"), float("nan")
 EXTREMES = torch.tensor([100.0, -100.0, 1e-30, 0.0, -1e4, 1e4, 88.0, -88.0, 87.5, -87.5, INF, -INF, NAN])

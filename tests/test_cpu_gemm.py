@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mm_engine.kernels.cpu_gemm import pack_panels, panel_width
-from mm_engine.packed_linear import PackedLinear, PanelLinear, panel_linears
+from mm_engine.models.layers.packed_linear import PackedLinear, PanelLinear, panel_linears
 
 
 def _linear(k: int, n: int, bias: bool, seed: int) -> nn.Linear:

@@ -109,7 +109,7 @@ def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
     b, heads, t, d = 3, 4, 37, 32
     x = torch.randn(b, t, 3, heads, d, generator=g)
     q, k, v = (x[:, :, j].transpose(1, 2) for j in range(3))
-    from mm_engine.platform import _vision_attention
+    from mm_engine.models.platform import _vision_attention
 
     attention = _vision_attention(CpuOps(cpu_kernels))
     out, weights = attention(None, q, k, v, None, scaling=0.2)

@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 import mm_engine
-from mm_engine import LLM, SamplingParams, scenes
+from mm_engine import LLM, SamplingParams
+from mm_engine.demo import scenes
 
-DEMO = Path(mm_engine.__file__).resolve().parent / "demo_model"
+DEMO = Path(mm_engine.__file__).resolve().parent / "demo" / "demo_model"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "scene.png"
 EXAMPLE_CAPTION = "a red square, a green triangle and a yellow circle."  # what README shows
 N_SCENES = 300

@@ -3,12 +3,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_checkpoint import WORDS, build_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from mm_engine.frontend.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from mm_engine.sampling_params import SamplingParams
+from mm_engine.testing.common import WORDS, build_tokenizer
 
 TEXTS = [
     "Héllo wörld! Ça va? naïve café résumé, señor.",

@@ -16,9 +16,9 @@ from conftest import make_image
 from mm_engine import LLM, SamplingParams
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
-from mm_engine.async_types import EngineDeadError
 from mm_engine.core import messages as m
-from mm_engine.core.async_client import AsyncMPLLM
+from mm_engine.engine.async_client import AsyncMPLLM
+from mm_engine.engine.async_types import EngineDeadError
 
 TIGHT = dict(kv_cache_memory_bytes=16 * 1024 * 20, block_size=8, image_pool_fraction=0.4)  # preempts
 
@@ -258,7 +258,7 @@ def test_the_core_process_exits_when_its_frontend_is_killed(clip_llama, tmp_path
 
 def test_each_core_gets_its_rank_and_its_share_of_the_cpu(clip_llama):
     from mm_engine.config import EngineConfig
-    from mm_engine.core.client import core_config
+    from mm_engine.engine.process_client import core_config
 
     config = EngineConfig(clip_llama, device="cpu")
     one = core_config(config, 0, 1)

@@ -12,8 +12,8 @@ from mm_engine import LLM, SamplingParams
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
-from mm_engine.async_types import EngineDeadError, EngineStepError
-from mm_engine.faults import StepFailedError, is_device_fault
+from mm_engine.core.faults import StepFailedError, is_device_fault
+from mm_engine.engine.async_types import EngineDeadError, EngineStepError
 
 KW = dict(kv_cache_memory_bytes=4 * 1024**2, max_num_seqs=1)  # one request per batch
 PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)

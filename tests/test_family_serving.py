@@ -16,8 +16,8 @@ from vl_helpers import assert_all_free, greedy
 from mm_engine import LLM
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
-from mm_engine.caption import caption_images
-from mm_engine.core.async_client import AsyncMPLLM
+from mm_engine.engine.async_client import AsyncMPLLM
+from mm_engine.jobs.caption import caption_images
 
 FAMILIES = [
     "qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "mistral3", "llava_next", "llava_onevision", "gemma3",

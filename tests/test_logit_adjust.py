@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.logit_adjust import RowContext, adjust_logits
-from mm_engine.sampler import Sampler
+from mm_engine.core.logit_adjust import RowContext, adjust_logits
+from mm_engine.core.sampler import Sampler
 
 VOCAB = 12
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from conftest import Reference, make_image
 from safetensors.torch import load_file, save_file
-from tiny_checkpoint import build_checkpoint
 
 from mm_engine import LLM, SamplingParams
+from mm_engine.testing import build_checkpoint
 
 PROMPT = "USER: <image> what is this ASSISTANT:"
 
@@ -62,7 +62,13 @@ def test_both_key_layouts_give_the_same_tokens(clip_llama, tmp_path):
 @pytest.mark.parametrize(("strategy", "layers"), [("full", -1), ("default", [-3, -1])])
 def test_feature_layer_and_select_strategy(tmp_path, strategy, layers):
     path = build_checkpoint(
-        tmp_path / "ck", vision="clip", text="llama", select_strategy=strategy, feature_layer=layers, seed=3
+        "llava",
+        tmp_path / "ck",
+        vision="clip",
+        text="llama",
+        select_strategy=strategy,
+        feature_layer=layers,
+        seed=3,
     )
     ref = Reference(str(path))
     assert _greedy(path) == ref.generate(PROMPT, [make_image(5)], 10)
@@ -94,7 +100,7 @@ def test_missing_folder_goes_to_the_hub(monkeypatch):
 
 
 def test_cpu_malloc_settings_apply_once_and_are_reported():
-    from mm_engine import cpu_memory
+    from mm_engine.pools import cpu_memory
 
     assert cpu_memory.tune_malloc() is True  # glibc, as on every Linux machine the tests run on
     assert cpu_memory.tune_malloc() is True  # idempotent
@@ -105,7 +111,7 @@ def test_kv_pool_on_huge_pages_is_aligned_and_advised_to_use_them():
 
     import torch
 
-    from mm_engine import cpu_memory
+    from mm_engine.pools import cpu_memory
     from mm_engine.pools.kv_cache import paged_kv_tensor
 
     cache = paged_kv_tensor(256, 16, 2, 64, torch.float32, "cpu", cpu_memory.huge_page_empty)  # 8 MiB

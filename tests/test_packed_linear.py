@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mm_engine.packed_linear import PackedLinear, can_pack, onednn_bf16, pack_linears
+from mm_engine.models.layers.packed_linear import PackedLinear, can_pack, onednn_bf16, pack_linears
 
 # A torch built without oneDNN (mkldnn) has no packed path: the engine keeps plain nn.Linear there
 # and there is nothing of this module's to test. The pinned torch wheels have oneDNN.
@@ -61,7 +61,7 @@ def test_nothing_but_cpu_float_linears_is_packed():
 def test_bfloat16_weights_stay_plain_where_onednn_has_no_bf16(monkeypatch):
     """On an AVX2-only CPU oneDNN refuses the bf16 reorder: such a layer keeps nn.Linear instead
     of failing the model's load."""
-    from mm_engine import packed_linear
+    from mm_engine.models.layers import packed_linear
 
     monkeypatch.setattr(packed_linear, "onednn_bf16", lambda: False)
     model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4))

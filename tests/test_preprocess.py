@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_checkpoint import build_tokenizer
 from transformers import AutoProcessor, CLIPImageProcessor, LlavaProcessor, SiglipImageProcessor
 
+from mm_engine.testing.common import build_tokenizer
 from mm_engine.vision.image_io import ImageError, load_image
 from mm_engine.vision.preprocess import ImagePreprocessor, load_image_processor_config
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_engine import scenes
+from mm_engine.demo import scenes
 
 ray = pytest.importorskip("ray")
 

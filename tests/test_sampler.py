@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mm_engine.sampler import Sampler
+from mm_engine.core.sampler import Sampler
 from mm_engine.sampling_params import SamplingParams
 
 # A known distribution over 6 tokens, deliberately not in sorted order.

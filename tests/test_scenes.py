@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from mm_engine import scenes
-from mm_engine.scenes import Shape
+from mm_engine.demo import scenes
+from mm_engine.demo.scenes import Shape
 
 
 def _scenes(n: int, seed: int = 0) -> list[scenes.Scene]:

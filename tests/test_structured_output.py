@@ -34,7 +34,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def bytelevel(tmp_path_factory) -> str:
-    return str(build_checkpoint(tmp_path_factory.mktemp("bytelevel"), byte_level=True))
+    return str(build_checkpoint("llava", tmp_path_factory.mktemp("bytelevel"), byte_level=True))
 
 
 def _valid(obj) -> bool:
@@ -132,7 +132,7 @@ def test_the_openai_client_gets_schema_valid_json(bytelevel):
 def test_caption_json_schema_writes_the_parsed_object(bytelevel, tmp_path):
     from conftest import make_image
 
-    from mm_engine.caption_cli import main
+    from mm_engine.jobs.caption_cli import main
 
     folder = tmp_path / "images"
     folder.mkdir()
@@ -160,7 +160,7 @@ def test_a_schema_never_lets_a_raw_control_character_in(bytelevel):
     forbids every token holding one under a JSON schema."""
     from transformers import AutoTokenizer
 
-    from mm_engine.structured_output import Grammars, GrammarState, allocate_bitmask
+    from mm_engine.core.structured_output import Grammars, GrammarState, allocate_bitmask
 
     tok = AutoTokenizer.from_pretrained(bytelevel)
     grammars = Grammars(lambda: tok, len(tok))

@@ -14,7 +14,7 @@ from conftest import make_image
 from vl_helpers import family_prompt, greedy, mm
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.faults import StepFailedError
+from mm_engine.core.faults import StepFailedError
 
 TIGHT = dict(block_size=8, image_pool_fraction=0.4, max_num_batched_tokens=16)
 KV = 16 * 1024 * 20  # 20 blocks at TP=1; the same 20 blocks at TP=2 in half the bytes per rank
@@ -142,7 +142,7 @@ def test_rank0_failing_inside_a_forward_stops_the_group_at_once(clip_llama):
 def test_it_composes_with_the_core_process_and_data_parallelism(clip_llama):
     import asyncio
 
-    from mm_engine.core.async_client import AsyncMPLLM
+    from mm_engine.engine.async_client import AsyncMPLLM
 
     kw = dict(kv_cache_memory_bytes=4 * 1024**2, block_size=8)
     prompts = ["USER: what is red ASSISTANT:", "USER: what is blue and green ASSISTANT:"]
@@ -186,9 +186,9 @@ def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, devic
 
 def test_a_worker_keeps_only_its_language_model(vl_family):
     from mm_engine import models
-    from mm_engine.model_loader import load_config
+    from mm_engine.models.loader import load_config
+    from mm_engine.models.platform import make_platform
     from mm_engine.parallel.worker import drop_vision
-    from mm_engine.platform import make_platform
 
     path, _ = vl_family("qwen2_vl")
     cpu = torch.device("cpu")

@@ -12,8 +12,8 @@ import pytest
 from api_helpers import served_in_process
 
 from mm_engine import LLM
-from mm_engine.testing_qwen import build_qwen_checkpoint
-from mm_engine.tool_calls import HermesToolParser
+from mm_engine.frontend.tool_calls import HermesToolParser
+from mm_engine.testing import build_checkpoint
 
 WEATHER = {
     "type": "function",
@@ -39,9 +39,7 @@ KW = dict(kv_cache_memory_bytes=16 * 1024**2, max_model_len=512)
 
 @pytest.fixture(scope="module")
 def qwen_bytes(tmp_path_factory) -> str:
-    return str(
-        build_qwen_checkpoint(tmp_path_factory.mktemp("qwen_tools") / "q", "qwen2_5_vl", byte_level=True)
-    )
+    return str(build_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen_tools") / "q", byte_level=True))
 
 
 # ---- the parser ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from conftest import make_image
 
 from mm_engine import LLM, SamplingParams
-from mm_engine.faults import StepFailedError
+from mm_engine.core.faults import StepFailedError
 from mm_engine.parallel.vision_dp import DataParallelEncoder, split_images
 from mm_engine.request import ImageSpan
 

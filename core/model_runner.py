@@ -1,0 +1,349 @@
+"""Turns one scheduled batch into tensors and runs one forward over it.
+
+The batch is flat (varlen): the new tokens of every scheduled request one after the other, prefill
+chunks and decodes together. Images whose tokens fall in this step's chunks are encoded first, in
+one call (of any sizes: the family's `encode` packs them), and their features replace the
+embeddings of the run positions that carry them; DeepStack features ride along to the first
+layers. Logits are computed only for the requests whose chunk reaches their last token, i.e. the
+ones that sample this step.
+
+With overlapped scheduling a decode's input may be a token that the previous step sampled and that
+is still on the device (`PLACEHOLDER` in the request's ids): `prepare` notes where it goes, and
+`forward` copies it from the previous step's sampled tokens, in launch order, before embedding.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from mm_engine.kernels.backend import AttentionBackend
+from mm_engine.kernels.host_copy import to_device
+from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.models.interface import MultimodalModel
+from mm_engine.parallel.ranks import torch_threads
+from mm_engine.pools.kv_cache import KVCache
+from mm_engine.request import ImageSpan, Request
+from mm_engine.vision.encoder_cache import EncoderCache
+
+PLACEHOLDER = -1  # a sampled token not read back to the host yet (overlapped scheduling)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's forward inputs, prepared on the host and already on the device."""
+
+    ids: torch.Tensor  # [tokens] (image positions zeroed: their embeddings are replaced)
+    positions: torch.Tensor  # [tokens], or [3, tokens] for M-RoPE
+    meta: AttentionMetadata
+    embed_rows: torch.Tensor | None  # flat rows that take vision embeddings
+    embed_feats: torch.Tensor | None  # [rows, 1 + deepstack, hidden]
+    sample_rows: list[int]  # flat rows whose logits are sampled
+    sampling: list[int]  # the batch items they belong to
+    # Flat rows whose id is the previous step's sampled token, and that token's index among the
+    # previous step's samples; None when no input is pending.
+    from_prev: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Prompt logprobs: flat rows whose logits are wanted besides the sampled ones (after them in
+    # the logits), and per request (item, first prompt position, count) of those rows.
+    extra_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    logit_rows: torch.Tensor | None = None  # sample_rows + extra_rows on the device (no host sync)
+    block_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (sources, destinations), first
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them (parallel/executor.py)."""
+
+    turn: AbstractContextManager  # held while a forward's messages and collectives go out
+
+    def send(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> None: ...
+
+    def broken(self, exc: BaseException) -> Exception: ...
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: MultimodalModel,
+        kv: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        encoder_cache: EncoderCache,
+    ) -> None:
+        self.model = model
+        self.encoder_cache = encoder_cache
+        self.kv = kv
+        self.backend = backend
+        self.device = device
+        self.block_size = kv.spec.block_size
+        self.num_encoded_images = 0  # how many images the vision tower has encoded in all
+        # Features of images a request's prefill has reached but not passed: request id -> image
+        # index -> features. The runner's own state; the engine releases a request's when it is
+        # preempted or finishes.
+        self._held: dict[str, dict[int, torch.Tensor]] = {}
+        # Tensor parallelism (rank 0): hands each forward's inputs to the workers first.
+        self.peers: Peers | None = None
+        # What encodes a step's images (under TP with mm_encoder_tp_mode "data": every rank, a share each).
+        self.encoder: Callable[[list[ImageSpan]], list[torch.Tensor]] = model.encode
+        # Torch threads of this runner's work (tensor-parallel ranks on a CPU share its cores);
+        # None: the calling thread's own.
+        self.threads: int | None = None
+
+    def execute(
+        self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, list[int], list]:
+        """Returns logits `[len(sampling) + prompt rows, vocab]`, the indices into `items` that
+        sample (the first rows of the logits), and the prompt-logprob rows after them."""
+        inputs = self.prepare(items, copies=copies)
+        logits, sampling = self.forward(inputs)
+        return logits, sampling, inputs.prompt_rows
+
+    def prepare(
+        self,
+        items: list[tuple[Request, int]],
+        pending: dict[str, int] | None = None,
+        copies: list[tuple[int, int]] = (),
+    ) -> StepInputs:
+        """Everything a forward needs, as tensors on the device: the host's share of a step
+        (images a chunk reaches are encoded here too). `pending`: request id -> index among the
+        previous step's samples, for the requests whose last token is still a `PLACEHOLDER`.
+        `copies`: KV blocks (source, destination) the forward copies before anything else."""
+        with torch_threads(self.threads):
+            return self._prepare(items, pending, copies)
+
+    @torch.inference_mode()
+    def _prepare(
+        self, items: list[tuple[Request, int]], pending: dict[str, int] | None, copies: list[tuple[int, int]]
+    ) -> StepInputs:
+        self._encode_images(items)
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[int] = []
+        bidirectional: list[tuple[torch.Tensor, int, int]] = []  # (flat rows, image's lo, hi)
+        embed_rows: list[torch.Tensor] = []  # flat rows that take vision embeddings
+        embed_feats: list[torch.Tensor] = []  # and those embeddings, [rows, 1 + deepstack, hidden]
+        sample_rows: list[int] = []
+        sampling: list[int] = []
+        mrope = self.model.uses_mrope
+        flat_positions: list[int] = []  # 1-D rotary positions, built as one list (cheaper per row)
+        prev_rows: list[int] = []
+        prev_src: list[int] = []
+        extra_rows: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []
+        for k, (req, n) in enumerate(items):
+            start, end, row0 = req.num_computed_tokens, req.num_computed_tokens + n, len(ids)
+            table = req.block_table
+            if n == 1:  # a decode: the common case, without ranges or slices
+                ids.append(req.token_ids[start])
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(req.token_ids[start:end])
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if ids[-1] == PLACEHOLDER:  # only ever a request's last token
+                prev_rows.append(len(ids) - 1)
+                prev_src.append(pending[req.request_id])
+            if mrope:
+                positions.append(self._positions(req, start, end))
+            elif n == 1:
+                flat_positions.append(start)
+            else:
+                flat_positions.extend(range(start, end))
+            if start >= req.num_prompt_tokens:  # past every image
+                if end == req.num_tokens:
+                    sample_rows.append(len(ids) - 1)
+                    sampling.append(k)
+                continue
+            if req.params.prompt_logprobs is not None and req.first_token_time is None:
+                lo, hi = max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1)
+                if lo < hi:  # position p's logits predict prompt token p + 1
+                    extra_rows.extend(range(row0 + lo - start, row0 + hi - start))
+                    prompt_rows.append((k, lo, hi - lo))
+            for j, span in enumerate(req.images):
+                a, b = max(start, span.offset), min(end, span.offset + span.length)
+                if a < b:
+                    rows, first = _embed_rows(span, a - span.offset, b - span.offset)
+                    feats = self._held[req.request_id][j][first : first + rows.numel()]
+                    embed_rows.append(rows + (row0 + span.offset - start))
+                    embed_feats.append(feats)
+                    if self.model.bidirectional_images:
+                        for lo, hi in span.embed_runs():  # one per image (Gemma 3: and per crop)
+                            inside = (rows >= lo - span.offset) & (rows < hi - span.offset)
+                            if bool(inside.any()):
+                                bidirectional.append((embed_rows[-1][inside], lo, hi))
+            if end == req.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sampling.append(k)
+        meta = self._metadata(items, slots)
+        if bidirectional:
+            meta.bidirectional = self._ranges(len(ids), bidirectional)
+        dev = self.device
+        ids_t = to_device(ids, torch.long, dev)
+        rows = feats = None
+        if embed_rows:
+            rows = to_device(torch.cat(embed_rows), None, dev)
+            feats = torch.cat(embed_feats)
+            # Image-token ids may lie outside the vocabulary; their embeddings are replaced anyway.
+            # (Only prompt positions: a generated image-token id is embedded like any other token.)
+            ids_t[rows] = 0
+        pos_t = (
+            to_device(torch.cat(positions, dim=-1), None, dev)
+            if mrope
+            else to_device(flat_positions, torch.long, dev)
+        )
+        from_prev = None
+        if prev_rows:
+            from_prev = (to_device(prev_rows, torch.long, dev), to_device(prev_src, torch.long, dev))
+        self._drop_used_images(items)  # what this step needs is in `feats` now
+        logit_rows = (
+            to_device(sample_rows + extra_rows, torch.long, dev) if sample_rows or extra_rows else None
+        )
+        block_copies = None
+        if copies:
+            src, dst = zip(*copies, strict=True)
+            block_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
+        return StepInputs(
+            ids_t,
+            pos_t,
+            meta,
+            rows,
+            feats,
+            sample_rows,
+            sampling,
+            from_prev,
+            extra_rows,
+            prompt_rows,
+            logit_rows,
+            block_copies,
+        )
+
+    def forward(
+        self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One forward over prepared inputs: logits of the rows that sample, and which items.
+        `prev_tokens`: the previous step's sampled tokens, where `inputs.from_prev` takes some."""
+        with torch_threads(self.threads):
+            if self.peers is None:
+                return self._forward(inputs, prev_tokens)
+            with self.peers.turn:  # in the forward's own order (the CUDA stream, the launcher thread)
+                self.peers.send(inputs, prev_tokens if inputs.from_prev is not None else None)
+                try:
+                    return self._forward(inputs, prev_tokens)
+                except Exception as exc:  # the workers are inside this forward's collectives
+                    raise self.peers.broken(exc) from exc
+
+    @torch.inference_mode()
+    def _forward(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, list]:
+        if inputs.block_copies is not None:  # before this step writes any KV
+            self.kv.copy_blocks(*inputs.block_copies)
+        lm = self.model.language_model
+        ids = inputs.ids
+        if inputs.from_prev is not None:
+            if prev_tokens is None:
+                raise ValueError("these inputs take the previous step's tokens; pass prev_tokens")
+            rows, src = inputs.from_prev
+            ids = ids.index_put((rows,), prev_tokens[src])
+        embeds = lm.embed_tokens(ids)
+        deepstack = None
+        if inputs.embed_rows is not None:
+            embeds[inputs.embed_rows] = inputs.embed_feats[:, 0].to(embeds.dtype)
+            if inputs.embed_feats.shape[1] > 1:
+                deepstack = (inputs.embed_rows, inputs.embed_feats[:, 1:])
+        hidden = lm(embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack)
+        if inputs.logit_rows is None:
+            return hidden.new_empty((0, 0)), inputs.sampling
+        logits = lm.logits(hidden.index_select(0, inputs.logit_rows))
+        return logits, inputs.sampling
+
+    def _ranges(
+        self, n: int, pieces: list[tuple[torch.Tensor, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per flat row, the positions `[lo, hi)` it sees in both directions: its image's
+        embedding positions for an image's embedding rows, none for every other row."""
+        lo, hi = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+        for rows, a, b in pieces:
+            lo[rows], hi[rows] = a, b
+        return to_device(lo, None, self.device), to_device(hi, None, self.device)
+
+    def _positions(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of tokens `[start, end)`: `[n]`, or `[3, n]` for an M-RoPE model, whose
+        prompt positions were computed when the request was added; later tokens (decode, or the
+        output recomputed after preemption) continue at `i + delta` on every axis."""
+        if not self.model.uses_mrope:
+            return torch.arange(start, end)
+        stored = req.mrope_positions
+        cut = start if stored is None else min(end, max(start, stored.shape[1]))
+        tail = torch.arange(cut, end) + req.mrope_delta
+        if stored is None or cut == start:
+            return tail.expand(3, -1)
+        return torch.cat([stored[:, start:cut], tail.expand(3, -1)], dim=1)
+
+    def _metadata(self, items: list[tuple[Request, int]], slots: list[int]) -> AttentionMetadata:
+        q_lens = [n for _, n in items]
+        seq_lens = [req.num_computed_tokens + n for req, n in items]
+        width = max(len(req.block_table) for req, _ in items)
+        tables = [req.block_table + [0] * (width - len(req.block_table)) for req, _ in items]
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=to_device([0, *itertools.accumulate(q_lens)], torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(tables, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def _encode_images(self, items: list[tuple[Request, int]]) -> None:
+        """Give every image that this step's chunks touch its features: from the encoder cache, or
+        encoded now in one batch (each distinct image once, however many requests carry it)."""
+        todo: dict[str, list[tuple[Request, int]]] = {}
+        for req, n in items:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            held = self._held.setdefault(req.request_id, {})
+            for j, span in enumerate(req.images):
+                if span.offset < end and start < span.offset + span.length and j not in held:
+                    feats = self.encoder_cache.get(span.content_hash)
+                    if feats is not None:
+                        held[j] = feats
+                    else:
+                        todo.setdefault(span.content_hash, []).append((req, j))
+        if not todo:
+            return
+        firsts = [users[0] for users in todo.values()]
+        feats = self.encoder([req.images[j] for req, j in firsts])
+        for (key, users), f in zip(todo.items(), feats, strict=True):
+            self.encoder_cache.put(key, f)
+            for req, j in users:
+                self._held[req.request_id][j] = f
+        self.num_encoded_images += len(todo)
+
+    def _drop_used_images(self, items: list[tuple[Request, int]]) -> None:
+        """Features are needed only until the prefill has passed the image."""
+        for req, n in items:
+            done = req.num_computed_tokens + n
+            held = self._held.get(req.request_id, {})
+            for j in [j for j in held if req.images[j].offset + req.images[j].length <= done]:
+                del held[j]
+            if not held:
+                self._held.pop(req.request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's image features (it was preempted, or it finished)."""
+        self._held.pop(request_id, None)
+
+
+def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:
+    """Run positions in `[a, b)` of an image that carry embeddings (relative to the run's start),
+    and the index of the first of them among the image's embeddings."""
+    if span.embed_mask is None:
+        return torch.arange(a, b), a
+    mask = torch.tensor(span.embed_mask[:b], dtype=torch.bool)
+    first = int(mask[:a].sum())
+    return torch.nonzero(mask[a:b]).flatten() + a, first

@@ -1,0 +1,223 @@
+"""What every asynchronous engine offers the HTTP layer, whichever side runs the engine core.
+
+    AsyncLLM     the core on a thread of this process (engine_loop.py)
+    AsyncMPLLM   the core in a process of its own (mm_engine/engine/async_client.py)
+
+Both take requests from any number of event loops: `process_prompt` / `process_chat` turn inputs
+into token ids and pixels in worker threads, `generate` yields a request's outputs as its
+`output_kind` asks, `abort` drops it (so does closing the iterator), `health` says whether the
+engine makes progress, `drain` and `shutdown` end it. A subclass provides `_send(Command)`, the
+thread `_thread` that serves it, and `kv_report`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from mm_engine.engine.async_types import (
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    Health,
+    ModelInfo,
+    ProcessedInputs,
+    StatsListener,
+)
+from mm_engine.engine.engine_loop import Command, Stream
+from mm_engine.engine.output_collector import OutputCollector
+from mm_engine.frontend.input_lanes import InputLanes, input_weight
+from mm_engine.frontend.inputs import InputProcessor
+from mm_engine.outputs import RequestOutput
+from mm_engine.sampling_params import RequestOutputKind, SamplingParams
+from mm_engine.vision.image_io import ImageLimits
+
+logger = logging.getLogger("mm_engine.async_llm")
+
+
+class AsyncFrontend:
+    _thread: Any  # the thread that serves `_send` (the subclass's, or its mixin's); set by it
+
+    def _init_frontend(
+        self, inputs: InputProcessor, model_info: ModelInfo, max_waiting: int, stats: dict, platform: dict,
+        input_workers: int, light_input_bytes: int, stall_timeout: float, listener: StatsListener | None,
+    ) -> None:  # fmt: skip
+        self._inputs = inputs
+        self.model_info = model_info
+        self.stall_timeout = stall_timeout
+        self.listener = listener
+        self._max_waiting = max_waiting
+        self._lanes = InputLanes(input_workers, light_input_bytes)
+        self._streams: dict[str, Stream] = {}
+        self._stats = stats
+        self._platform = platform  # fixed for the engine's life
+        self._heartbeat = time.monotonic()
+        self._faults = 0
+        self._last_error: str | None = None
+        self._last_step_failed = False
+        self._draining = False
+        self._dead = False
+
+    async def kv_report(self) -> dict[str, dict]:
+        raise NotImplementedError
+
+    def _alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _join(self) -> None:
+        self._thread.join()
+
+    # ---- inputs (worker pool) --------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """What turns prompts and images into engine inputs (thread-safe: each thread has its
+        own tokenizer); for `run_in_worker` jobs that need it."""
+        return self._inputs
+
+    def set_image_limits(self, limits: ImageLimits) -> None:
+        """The limits every image is checked against; set before serving."""
+        self._inputs.limits = limits
+
+    async def process_prompt(self, prompt: Any) -> ProcessedInputs:
+        """Tokenize and load images of a `generate`-style prompt off the event loop."""
+        work = lambda: ProcessedInputs(*self._inputs.process(prompt))  # noqa: E731
+        return await self.run_in_worker(work, weight=self._weigh(prompt))
+
+    async def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedInputs:
+        """The same for OpenAI-style messages, through the model's chat template (which also
+        describes `tools`, when given)."""
+        work = lambda: ProcessedInputs(*self._inputs.chat(messages, None, tools))  # noqa: E731
+        return await self.run_in_worker(work, weight=self._weigh(messages))
+
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, weight: int | None = None) -> Any:
+        """Run CPU-bound input work (decoding, encoding, tokenizing) in a worker: a light one when
+        the work's input (`weight`, by default the arguments' size) is small, so that big inputs
+        never hold up small ones."""
+        return await self._lanes.run(self._weigh(args) if weight is None else weight, fn, *args)
+
+    def _weigh(self, obj: Any) -> int:
+        return input_weight(obj, limit=self._lanes.light_bytes)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check_admission(self) -> None:
+        """Raise if a new request would be refused now (cheap; call before processing inputs)."""
+        if self._dead:
+            raise EngineDeadError("the engine is not running")
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        # The scheduler enforces the limit exactly when the request is added; this early check, on
+        # the last snapshot, spares decoding the images of a request that would be refused anyway.
+        limit = self._max_waiting
+        if self._stats.get("num_requests_waiting", 0) >= limit:
+            raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
+
+    async def generate(
+        self,
+        inputs: ProcessedInputs,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until the request finishes, shaped by `params.output_kind` (CUMULATIVE:
+        everything so far; DELTA: what is new; FINAL_ONLY: one output at the end). A consumer that
+        reads slower than the engine generates gets what is new merged into its next output.
+
+        Raises ValueError when the engine refuses the request (too long, does not fit the pools),
+        EngineError subclasses for server-side failures. Closing the iterator early aborts it.
+        """
+        self.check_admission()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:  # compiled off the loop (and off the engine's step)
+            await self.run_in_worker(self._inputs.check_structured_outputs, params, weight=0)
+        collector = OutputCollector(params.output_kind)
+        stream = Stream(asyncio.get_running_loop(), collector, inputs.modality, arrival_time or time.time())
+        self._streams[request_id] = stream
+        # The engine sends deltas whatever the caller asked; the collector shapes them.
+        engine_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        finished = False
+        try:
+            self._send(Command("add", request_id, (inputs, engine_params, priority)))
+            while True:
+                try:
+                    item = await stream.collector.get()
+                except BaseException as exc:
+                    finished = not isinstance(exc, asyncio.CancelledError)  # the engine dropped it
+                    raise
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            del self._streams[request_id]
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Drop a request, freeing its blocks; its consumer (if any) gets `error`. Thread-safe."""
+        self._send(Command("abort", request_id, error=error, stream=self._streams.get(request_id)))
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The engine's `stats()` as of the end of the last loop iteration (safe from any thread)."""
+        return self._stats
+
+    def platform_info(self) -> dict:
+        """Device, attention backend, CPU kernel variant and the kernels in use (kernels/ops.py)."""
+        return self._platform
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def health(self) -> Health:
+        since = time.monotonic() - self._heartbeat
+        alive = self._alive() and not self._dead
+        return Health(
+            alive=alive,
+            draining=self._draining,
+            stalled=alive and since > self.stall_timeout,
+            seconds_since_progress=since,
+            faults_total=self._faults,
+            last_error=self._last_error,
+            last_step_failed=self._last_step_failed,
+            num_unfinished=len(self._streams),
+        )
+
+    # ---- shutdown ----------------------------------------------------------------------------
+
+    def start_drain(self) -> None:
+        """Refuse new requests from now on; running ones continue."""
+        self._draining = True
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking requests, wait up to `timeout` s for running ones, abort the rest.
+
+        Returns True when everything finished in time."""
+        self.start_drain()
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self._streams:
+            return True
+        left = list(self._streams)
+        logger.warning("shutdown timeout: aborting %d unfinished request(s)", len(left))
+        for rid in left:
+            self.abort(rid, EngineDrainingError("the server shut down before the request finished"))
+        return False
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; any request still open gets EngineDeadError."""
+        self._send(Command("stop"))
+        await asyncio.to_thread(self._join)
+        self._lanes.shutdown()

@@ -1,0 +1,174 @@
+"""From what a user passes (a prompt with the model's image placeholder and images, or chat messages)
+to token ids with each placeholder expanded to the image's run of tokens, plus the processed images.
+What an image becomes is the model family's `Processing`; this file is family-blind."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import PIL.Image
+
+from mm_engine.core.structured_output import Grammars
+from mm_engine.frontend.chat_messages import text_chars, to_template_messages
+from mm_engine.models.interface import Processing
+from mm_engine.request import ImageSpan
+from mm_engine.sampling_params import SamplingParams
+from mm_engine.vision.image_io import ImageLimits, decode_data_url, load_image
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        processing: Processing,
+        chat_template: str | None,
+        limits: ImageLimits | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.processing = processing
+        self.image_token_id = processing.image_token_id
+        self.image_token = processing.image_token
+        self.chat_template = chat_template
+        self.limits = limits or ImageLimits()
+        self.max_prompt_chars: int | None = None  # set by the engine from max_model_len
+        self.grammars: Grammars | None = None  # set by the frontend: to check structured outputs
+        self.tool_format: str | None = None  # set by the frontend: how the model writes tool calls
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached), so a spec that cannot be compiled is refused
+        here, with a ValueError naming it, and not after the engine has taken the request."""
+        if params.structured_outputs is not None and self.grammars is not None:
+            self.grammars.compile(params.structured_outputs)
+
+    def check_length(self, chars: int) -> None:
+        """Refuse a prompt whose text alone cannot fit, before tokenizing it (a 4 MB prompt took
+        seconds to tokenize only to be refused)."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt is {chars} characters, more than any prompt of max_model_len tokens "
+                f"can be ({self.max_prompt_chars})"
+            )
+
+    def process(self, prompt: Any) -> tuple[str | None, list[int], list[ImageSpan]]:
+        """A string, or a dict with `prompt` (or `prompt_token_ids`), `multi_modal_data.image` and
+        `mm_processor_kwargs` (processor options for this request, over the server's)."""
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, Mapping):
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+        if unknown:
+            raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+        mm = prompt.get("multi_modal_data") or {}
+        if set(mm) - {"image"}:
+            raise ValueError(f"only image inputs are supported, got {', '.join(sorted(set(mm) - {'image'}))}")
+        images = mm.get("image", [])
+        images = list(images) if isinstance(images, list | tuple) else [images]
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(text, str):
+            self.check_length(len(text))
+            ids = self.tokenizer(text)["input_ids"]
+        else:
+            raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        overrides = prompt.get("mm_processor_kwargs")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise ValueError("mm_processor_kwargs must be a dict of processor options")
+        return text, *self.expand(ids, images, overrides)
+
+    def expand(
+        self, ids: list[int], images: list[Any], overrides: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """Replace each image placeholder with the image's run of tokens, processing each image."""
+        n_placeholders = ids.count(self.image_token_id)
+        if n_placeholders != len(images):
+            raise ValueError(
+                f"the prompt has {n_placeholders} image placeholder(s) ({self.image_token}) "
+                f"but {len(images)} image(s) were given"
+            )
+        pils = [self._load(img, i) for i, img in enumerate(images)]
+        processed = self._process(pils, overrides)
+        out: list[int] = []
+        spans: list[ImageSpan] = []
+        for tok in ids:
+            if tok != self.image_token_id:
+                out.append(tok)
+                continue
+            image = processed[len(spans)]
+            spans.append(
+                ImageSpan(
+                    offset=len(out),
+                    length=len(image.tokens),
+                    pixel_values=image.pixel_values,
+                    content_hash=image.content_hash,
+                    embed_mask=image.embed_mask,
+                    num_embeds=image.num_embeds,
+                    grid=image.grid,
+                    pixel_mask=image.pixel_mask,
+                )
+            )
+            out.extend(image.tokens)
+        return out, spans
+
+    def _process(self, pils: list[PIL.Image.Image], overrides: Mapping[str, Any] | None) -> list:
+        if len(pils) <= 1 or type(self.processing).process_images is Processing.process_images:
+            out = []
+            for index, pil in enumerate(pils):  # one at a time: an error names its image
+                try:
+                    out.append(self.processing.process(pil, overrides))
+                except ValueError as exc:
+                    raise ValueError(f"image {index}: {exc}") from None
+            return out
+        return self.processing.process_images(pils, overrides)
+
+    def _load(self, image: Any, index: int) -> PIL.Image.Image:
+        if isinstance(image, str) and not image.startswith("data:"):
+            raise ValueError(f"image {index}: a string image must be a data: URL")
+        try:
+            return load_image(decode_data_url(image) if isinstance(image, str) else image, self.limits)
+        except ValueError as exc:
+            raise type(exc)(f"image {index}: {exc}") from None
+
+    def chat(
+        self,
+        messages: list[dict],
+        overrides: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
+    ) -> tuple[str, list[int], list[ImageSpan]]:
+        """OpenAI-style messages -> the chat template's prompt, its ids and the images in order.
+        `tools`: OpenAI function tools, for the template to describe (it must have a tool format)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if tools and self.tool_format is None:
+            raise ValueError(
+                "tool calling is not supported for this model (no tool-call format for its family)"
+            )
+        converted, images = to_template_messages(messages)
+        self.check_length(sum(text_chars(m["content"]) for m in converted) + len(json.dumps(tools or [])))
+        text = self.tokenizer.apply_chat_template(
+            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
+            tools=tools or None,
+        )  # fmt: skip
+        # The template writes its own special tokens; adding them again would double the BOS.
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, *self.expand(ids, images, overrides)
+
+
+def find_chat_template(model_dir: Path, tokenizer) -> str | None:
+    """The processor's chat template (LLaVA keeps it beside the processor), else the tokenizer's."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    for name in ("chat_template.json", "processor_config.json"):
+        f = model_dir / name
+        if f.is_file():
+            template = json.loads(f.read_text()).get("chat_template")
+            if template:
+                return template
+    return getattr(tokenizer, "chat_template", None)

@@ -1,0 +1,136 @@
+"""Small random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints laid out as the published ones are
+(config, safetensors, tokenizer, processor with its image and video processors, chat template),
+for tests and benchmarks. Nothing is downloaded; random weights generate arbitrary tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from mm_engine.testing.common import build_bytelevel_tokenizer, save_random_model, tiny_text, word_tokenizer
+
+QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Qwen's shape, smaller: with `tools` a system turn lists them and asks for Hermes-style calls; an
+# assistant turn's calls are written back as such, a tool's answer as a user turn.
+QWEN_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system You may call functions. <tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> To call one, answer "
+    '<tool_call>{"name": name, "arguments": arguments}</tool_call><|im_end|> {% endif %}'
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|im_start|>user <tool_response>{{ message['content'] }}"
+    "</tool_response><|im_end|> {% else %}<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    '{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|> {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def build_qwen_tokenizer(vocab_size: int | None = None, byte_level: bool = False) -> PreTrainedTokenizerFast:
+    names = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if byte_level:
+        return build_bytelevel_tokenizer(vocab_size, QWEN_SPECIAL, **names)
+    return word_tokenizer(QWEN_SPECIAL, "user assistant system", vocab_size, **names)
+
+
+def build_qwen_checkpoint(
+    path: str | Path,
+    version: str = "qwen2_vl",
+    patch_size: int = 8,
+    min_pixels: int = 16 * 16 * 2,
+    max_pixels: int = 16 * 16 * 48,
+    seed: int = 0,
+    text_dims: dict | None = None,
+    vision_dims: dict | None = None,
+    vocab_size: int | None = None,
+    weight_scale: float = 4.0,
+    dtype: torch.dtype = torch.float32,
+    byte_level: bool = False,
+) -> Path:
+    """A random checkpoint of one of `VERSIONS`; tiny by default (head size 32, GQA 4:2, two
+    layers, an 8-pixel patch, images of 2 to 48 merged tokens). `byte_level`: a byte-level BPE
+    tokenizer, which can spell JSON (structured output, tool calls)."""
+    from transformers import AutoConfig
+
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    path = Path(path)
+    tokenizer = build_qwen_tokenizer(vocab_size, byte_level)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    text = tiny_text(
+        len(tokenizer), eos, pad, None, text_dims, max_position_embeddings=512, rms_norm_eps=1e-6
+    )
+    head_dim = text.get("head_dim", text["hidden_size"] // text["num_attention_heads"])
+    half = head_dim // 2
+    section = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]  # 16 -> [4, 6, 6]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    merge = 2
+    vision = dict(patch_size=patch_size, spatial_merge_size=merge, temporal_patch_size=2)
+    if version == "qwen2_vl":
+        vision.update(depth=2, embed_dim=64, hidden_size=text["hidden_size"], num_heads=2)
+    elif version == "qwen2_5_vl":
+        # Windows of 2x2 merged tokens, the middle layer attending to the whole image.
+        vision.update(
+            depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+            window_size=patch_size * merge * 2, fullatt_block_indexes=[1],
+        )  # fmt: skip
+    else:
+        rope.update(
+            mrope_interleaved=True,
+            mrope_section=[half - 2 * (5 * half // 16), 5 * half // 16, 5 * half // 16],
+        )
+        text.update(head_dim=head_dim)
+        vision.update(
+            depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+        )  # fmt: skip
+    vision.update(vision_dims or {})
+    text["rope_parameters"] = rope
+    cfg = AutoConfig.for_model(
+        version,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,  # a tied head mostly repeats the last token of a random model
+    )
+    save_random_model(cfg, path, seed, weight_scale, dtype)
+    _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max_pixels)
+    return path
+
+
+def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max_pixels) -> None:
+    from transformers import Qwen2VLImageProcessor
+
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image = Qwen2VLImageProcessor(patch_size=patch_size, merge_size=merge, temporal_patch_size=2, size=size)
+    if version == "qwen3_vl":
+        from transformers import Qwen3VLProcessor as Processor
+        from transformers import Qwen3VLVideoProcessor as Video
+    else:
+        from transformers import Qwen2VLProcessor as Processor
+        from transformers import Qwen2VLVideoProcessor as Video
+    if version == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor as Processor
+    video = Video(patch_size=patch_size, merge_size=merge, temporal_patch_size=2)
+    Processor(
+        image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=QWEN_CHAT_TEMPLATE
+    ).save_pretrained(path)

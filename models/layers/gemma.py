@@ -1,0 +1,161 @@
+"""Gemma 3's language model over the paged KV cache: the same attention backends as `layers.py`,
+with what Gemma does differently.
+
+- Embeddings are scaled by sqrt(hidden) (image embeddings spliced in afterwards are not).
+- RMSNorms multiply by `1 + weight`; after loading, `fuse_projections` stores `1 + weight` once,
+  so the ops' plain `x * rsqrt(...) * weight` computes the same thing.
+- Four norms per layer: before and after attention, before and after the MLP; the residual adds
+  follow the post-norms.
+- q and k are RMS-normed per head; the attention scale is `query_pre_attn_scalar ** -0.5`.
+- Local layers attend within a sliding window with their own rotary base; global layers attend to
+  everything (both, during prefill, also bidirectionally within an image: `AttentionMetadata`).
+- The MLP is GeGLU (tanh GELU of the gate times the up projection).
+
+With `tp`, the same Megatron split as `layers.py`: each rank its share of the heads and of the MLP
+width (o_proj and down summed over the ranks), of the vocabulary for the embedding and the head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from mm_engine.kernels.backend import AttentionBackend
+from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers.decoder import RMSNorm, Rotary, VocabParallelEmbedding
+from mm_engine.parallel.group import TPGroup
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class ScaledEmbedding(nn.Embedding):
+    def __init__(self, num: int, dim: int, scale: float) -> None:
+        super().__init__(num, dim)
+        self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        h, hd, world = config.hidden_size, config.head_dim, tp.world if tp is not None else 1
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads // world,
+            config.num_key_value_heads // world,
+            hd,
+        )
+        self.tp = tp
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, ops)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, ops)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.layer_type = layer_type
+        self.window = config.sliding_window if layer_type == SLIDING else None
+        self.ops = ops
+
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).reshape(t * h, hd)).view(t, h, hd)
+        k = self.k_norm(self.k_proj(x).reshape(t * kvh, hd)).view(t, kvh, hd)
+        q, k = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope)
+        v = self.v_proj(x).view(t, kvh, hd)
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale, window=self.window)
+        out = self.o_proj(out.reshape(t, h * hd))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        width = config.intermediate_size // (tp.world if tp is not None else 1)
+        self.tp = tp
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.self_attn = GemmaAttention(config, layer_type, ops, tp)
+        self.mlp = GemmaMLP(config, tp)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops)
+
+    def forward(self, x, rope, k_cache, v_cache, meta, backend):
+        attn = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaLM(nn.Module):
+    """Same interface as `layers.DecoderLM`: `embed_tokens`, `forward(embeds, positions, ...)`,
+    `logits`, `head_dim`, `layers`."""
+
+    def __init__(
+        self, config, tie_embeddings: bool, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None
+    ) -> None:
+        super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma 3 text models with bidirectional attention are not supported")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, cap, None):
+                raise ValueError(f"{cap} is not supported")
+        self.head_dim = config.head_dim
+        self.tp, self.vocab_size = tp, config.vocab_size
+        scale = config.hidden_size**0.5
+        if tp is None:
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, scale)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, scale)
+        self.layer_types = list(config.layer_types)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind, ops, tp) for kind in self.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.rotary = nn.ModuleDict(
+            {kind: Rotary(config, config.head_dim, layer_type=kind) for kind in sorted(set(self.layer_types))}
+        )
+        vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
+        self.tied_lm_head = tie_embeddings
+        if tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend,
+        deepstack=None,
+    ):  # fmt: skip
+        x = embeds
+        ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ropes[self.layer_types[i]], kv_k[i], kv_v[i], meta, backend)
+        return self.norm(x)
+
+    def fuse_projections(self) -> None:
+        """After loading: every Gemma norm multiplies by 1 + weight; store that once."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(1.0)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.vocab_size]  # the last share is padded

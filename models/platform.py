@@ -1,0 +1,156 @@
+"""What the platform fills in for a model: the attention backend, the ops its layers call, how its
+linear layers are packed, and a transformers vision tower's attention and activation.
+
+On CPU with the "cpu" backend that is one ISA variant's C kernels (kernels/cpu_kernels.py: the
+widest variant cpuid allows, each kernel only where it measured faster than its torch twin);
+everywhere else torch. `Platform.info()` says which, for the start-up log line, /health,
+/metrics and `mm-engine env`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import GELUTanh
+
+from mm_engine.kernels import cpu_build, cpu_kernels
+from mm_engine.kernels.backend import AttentionBackend, get_backend, resolve_backend_name
+from mm_engine.kernels.cpu_kernels import CpuKernels
+from mm_engine.kernels.ops import TorchOps, ops_for
+from mm_engine.models.layers.packed_linear import pack_linears, panel_linears
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    device: torch.device
+    backend: AttentionBackend
+    ops: TorchOps
+    kernels: CpuKernels | None  # the CPU C kernels in use; None: torch everywhere
+
+    def info(self) -> dict:
+        kernels = self.kernels
+        return {
+            "device": self.device.type,
+            "attention_backend": self.backend.name,
+            "cpu_variant": kernels.variant if kernels else None,
+            "cpu_kernels": sorted(kernels.enabled) if kernels else [],
+        }
+
+    def summary(self) -> str:
+        info = self.info()
+        if info["cpu_variant"] is None:
+            return f"device={info['device']}, attention={info['attention_backend']}, CPU C kernels: none"
+        kernels = ",".join(info["cpu_kernels"])
+        return f"device=cpu, attention=cpu, CPU C kernels: variant={info['cpu_variant']} ({kernels})"
+
+
+def make_platform(device: torch.device, attention_backend: str) -> Platform:
+    kernels = None
+    if device.type == "cpu" and resolve_backend_name(attention_backend, device) == "cpu":
+        kernels = cpu_kernels.select()
+        if kernels is None and cpu_build.status()["errors"]:
+            log.warning("no CPU C kernels: %s", cpu_build.status()["errors"])
+    platform = Platform(device, get_backend(attention_backend, device, kernels), ops_for(kernels), kernels)
+    log.info("platform: %s", platform.summary())
+    return platform
+
+
+def environment() -> dict:
+    """The platform as `mm-engine env` prints it: machine, torch, the CPU's features and the
+    kernel variants it runs, the compiler, the OpenMP runtime, and what the engine would use."""
+    import platform as host
+
+    from mm_engine.kernels.cpu_kernels import MEASURED_FASTER
+
+    kernels = cpu_kernels.select()
+    cpu = cpu_build.status()
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+        host.processor(),
+    )
+    return {
+        "platform": host.platform(),
+        "python": host.python_version(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "cpu": model,
+        "cpu_features": cpu["features"],
+        "compiler": cpu["compiler"],
+        "openmp_runtime": cpu["openmp_runtime"],
+        "variants_supported": [v for v in cpu_build.VARIANTS if cpu_build.supported(v)],
+        "variant": kernels.variant if kernels else None,
+        "kernels": sorted(kernels.enabled) if kernels else [],
+        "measured_faster": {v: sorted(k) for v, k in MEASURED_FASTER.items()},
+        "errors": cpu["errors"],
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:  # the model's name only: features come from cpuid
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def pack_model_linears(model: nn.Module, language_model: nn.Module, platform: Platform) -> None:
+    """The language model's linears through the C GEMM where the platform uses it (faster at
+    decode's few rows); every other CPU linear through oneDNN with a packed weight."""
+    if platform.kernels is not None and platform.kernels.uses("gemm"):
+        panel_linears(language_model, platform.kernels.lib)
+    pack_linears(model)
+
+
+def adapt_vision_tower(tower: nn.Module, platform: Platform) -> None:
+    """Route a transformers vision tower's self-attention and tanh-GELU through the platform's
+    ops, where it has faster ones; anything they decline still goes to transformers' own code."""
+    ops = platform.ops
+    if platform.kernels is None:
+        return
+    if platform.kernels.uses("vision_attention"):
+        from transformers import AttentionInterface
+
+        name = f"mm_engine_{ops.name}"
+        AttentionInterface.register(name, _vision_attention(ops))
+        tower.set_attn_implementation(name)
+    if platform.kernels.uses("gelu_tanh"):
+        for module in tower.modules():
+            if isinstance(getattr(module, "activation_fn", None), GELUTanh) and hasattr(module, "fc2"):
+                module.activation_fn = OpsGeluTanh(ops)  # a CLIP/SigLIP-style MLP: fc1 -> act -> fc2
+
+
+class OpsGeluTanh(nn.Module):
+    """transformers' tanh-GELU through the platform's ops (in place where they can: an MLP's
+    hidden activations, which nothing else reads)."""
+
+    def __init__(self, ops: TorchOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.gelu_tanh(x)
+
+
+def _vision_attention(ops: TorchOps):
+    """transformers' attention-function signature: `[batch, heads, tokens, dim]` in, `([batch,
+    tokens, heads, dim], None)` out. A mask, dropout or causal attention goes to SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if attention_mask is None and not dropout and not kwargs.get("is_causal"):
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            out = ops.bidirectional_attention(query, key, value, scale)
+            if out is not None:
+                return out, None
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+
+    return attention
