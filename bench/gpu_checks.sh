@@ -43,20 +43,20 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 # 1. Correctness: the Triton kernel tests, bench.kernels' own test and the engine on the Triton
 #    backend, all compiled on the GPU (MM_ENGINE_TEST_DEVICE), against float64 / CPU references.
 TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
-    tests/test_triton_kernels.py tests/test_bench_kernels.py tests/test_triton_engine.py
+    tests/kernels/test_triton_kernels.py tests/kernels/test_bench_kernels.py tests/kernels/test_triton_engine.py
 
 # 1a. Async scheduling on CUDA (device auto: the engine on the GPU in float16): pinned copies,
 #     queued launches and the event the tokens are read behind, against the plain loop.
-TAIL=6 step async 120 $PY -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py \
-    tests/test_structured_output.py tests/test_parallel_sampling.py tests/test_logit_adjust.py -k "not mrope"
+TAIL=6 step async 120 $PY -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py \
+    tests/engine/test_structured_output.py tests/engine/test_parallel_sampling.py tests/engine/test_logit_adjust.py -k "not mrope"
 
 # 1a'. The tensor-parallel code path with one rank through NCCL (this machine has one GPU).
-TAIL=6 step tensor_parallel 60 $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+TAIL=6 step tensor_parallel 60 $PY -m pytest -q -p no:cacheprovider tests/system/test_tensor_parallel.py \
     -k "size_one"
 
 # 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
-    tests/test_qwen_vl.py tests/test_tiled_vl.py tests/test_anyres_vl.py tests/test_gemma3.py -k "triton"
+    tests/families/test_qwen_vl.py tests/families/test_tiled_vl.py tests/families/test_anyres_vl.py tests/families/test_gemma3.py -k "triton"
 
 # 2. The README's first command on the GPU (demo model, float16).
 TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \

@@ -8,18 +8,16 @@ import os
 # The Triton tests run on CPU tensors under the interpreter. On a machine with a GPU,
 # MM_ENGINE_TEST_DEVICE=cuda runs them compiled on the device instead (the rest of the suite stays
 # on CPU). The interpreter must be chosen before triton is first imported.
-TEST_DEVICE_NAME = os.environ.get("MM_ENGINE_TEST_DEVICE", "cpu")
-if TEST_DEVICE_NAME == "cpu":
+if os.environ.get("MM_ENGINE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 
+from helpers.reference import FamilyReference, Reference  # noqa: E402
 from mm_engine.testing import build_checkpoint  # noqa: E402
 
 torch.set_num_threads(2)
-TEST_DEVICE = torch.device(TEST_DEVICE_NAME)
 
 
 @pytest.fixture(scope="session")
@@ -34,28 +32,6 @@ def siglip_qwen2(tmp_path_factory) -> str:
     )
 
 
-def make_image(seed: int, size: tuple[int, int] = (40, 30)) -> Image.Image:
-    g = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy(), "RGB")
-
-
-class Reference:
-    """`LlavaForConditionalGeneration.generate`, greedy, one request at a time."""
-
-    def __init__(self, path: str) -> None:
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-        self.processor = AutoProcessor.from_pretrained(path)
-        self.model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def generate(self, prompt: str, images: list | None, max_new_tokens: int) -> list[int]:
-        inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @pytest.fixture(scope="session")
 def ref_clip_llama(clip_llama) -> Reference:
     return Reference(clip_llama)
@@ -64,29 +40,6 @@ def ref_clip_llama(clip_llama) -> Reference:
 @pytest.fixture(scope="session")
 def ref_siglip_qwen2(siglip_qwen2) -> Reference:
     return Reference(siglip_qwen2)
-
-
-class FamilyReference:
-    """transformers' `generate` for any family (AutoModelForImageTextToText), greedy, one request
-    at a time, inputs from the checkpoint's own processor."""
-
-    def __init__(self, path: str) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        self.path = path
-        self.processor = AutoProcessor.from_pretrained(path)
-        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-
-    def inputs(self, prompt: str, images: list | None, **kwargs):
-        if images and self.model.config.model_type == "llava_onevision":
-            images = [images]  # one prompt's images, nested: OneVision tiles only a lone image
-        return self.processor(text=prompt, images=images or None, return_tensors="pt", **kwargs)
-
-    @torch.inference_mode()
-    def generate(self, prompt: str, images: list | None, max_new_tokens: int, **kwargs) -> list[int]:
-        inputs = self.inputs(prompt, images, **kwargs)
-        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def _build_family(name: str, path):

@@ -1,0 +1,114 @@
+"""The benchmark tools measure what they say: FLOP counts agree with torch's own counter on the
+Hugging Face model, and bench.offline / bench.roofline / bench.report run end to end on a tiny
+checkpoint (no timing is checked, only that the figures are there and consistent)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, LlavaForConditionalGeneration
+
+from bench import offline, report, roofline
+from bench.machine import LlavaFlops
+from mm_engine import LLM
+
+
+def _counted(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("fixture", ["clip_llama", "siglip_qwen2"])
+def test_flop_counts_match_torch_flop_counter(fixture, request):
+    path = request.getfixturevalue(fixture)
+    cfg = AutoConfig.from_pretrained(path)
+    flops = LlavaFlops.from_config(cfg)
+    # Vision: what the engine's own tower and projector run for one image.
+    # (FlopCounterMode counts aten matmuls; the packed oneDNN linears are invisible to it.)
+    engine_model = LLM(path, kv_cache_memory_bytes=4 * 1024**2, cpu_packed_weights=False).engine.model
+    engine_model.vision_tower.config._attn_implementation = "eager"  # attention as plain matmuls
+    size = cfg.vision_config.image_size
+    vision = _counted(lambda: engine_model.encode_images(torch.zeros(1, 3, size, size)))
+    assert vision == pytest.approx(flops.vision_per_image, rel=1e-9)
+
+    # One decode token with 5 cached tokens: linear layers, attention over 6 keys, the head.
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"
+    model.model.language_model.config._attn_implementation = "eager"
+    lm = model.model.language_model
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        cache = lm(input_ids=ids, use_cache=True).past_key_values
+        one = _counted(lambda: model(input_ids=torch.tensor([[10]]), past_key_values=cache, logits_to_keep=1))
+    assert one == pytest.approx(flops.tokens(5, 1) + flops.lm_head_per_token, rel=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_offline_roofline_and_report_end_to_end(clip_llama, tmp_path, capsys):
+    res = offline.main(
+        ["--model", clip_llama, "--num-images", "3", "--hf-batch-size", "2", "--check", "3",
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--profile", "--rate-sizes", "128",
+         "--json", str(tmp_path / "offline_caption.json")]
+    )  # fmt: skip
+    assert res["tokens_identical"] == "3/3"  # the same greedy tokens as transformers
+    assert res["num_requests"] == 3 and res["output_tokens"] > 0
+    assert res["throughput_ratio"] == pytest.approx(res["hf_seconds"] / res["engine_seconds"])
+    assert res["compute_floor_fraction"] > 0 and res["hf_compute_floor_fraction"] > 0
+    # Each run is held to the matmul rate measured next to it, in its own process.
+    assert len(res["engine_run_matmul_gflops_per_s"]) == 2 and res["hf_run_matmul_gflops_per_s"] > 0
+    assert set(res["profile_shares"]) >= {"vision", "prefill", "decode", "sampling", "scheduling"}
+    assert sum(res["profile_shares"].values()) == pytest.approx(1.0)
+    saved = json.loads((tmp_path / "offline_caption.json").read_text())
+    for key in (
+        "workload",
+        "engine_images_per_s",
+        "hf_images_per_s",
+        "throughput_ratio",
+        "compute_floor_fraction",
+    ):
+        assert key in saved
+
+    roof = roofline.main(
+        ["--model", clip_llama, "--batch-sizes", "1,3", "--context", "8", "--steps", "2", "--threads", "1",
+         "--json", str(tmp_path / "roofline.json")]
+    )  # fmt: skip
+    assert [r["batch"] for r in roof["rows"]] == [1, 3]
+    assert all(r["fraction_of_roofline"] > 0 for r in roof["rows"])
+    assert roof["blocks_held_after"] == {"text": 0, "image": 0}  # aborted requests freed their blocks
+    assert "| batch |" in capsys.readouterr().out
+
+    # bench.memory and bench.serve JSON as their last real runs wrote it (bench/results).
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    for name in ("memory.json", "serve.json"):
+        shutil.copy(results / name, tmp_path / name)
+    written = report.main(["--results", str(tmp_path)])
+    assert sorted(p.name for p in written) == ["memory.png", "offline.png", "roofline.png", "serve.png"]
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+@pytest.mark.slow
+def test_offline_json_schema_measures_structured_output_side_by_side(tmp_path):
+    from mm_engine.testing import build_checkpoint
+
+    model = build_checkpoint("llava", tmp_path / "bytes", byte_level=True)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    res = offline.main(
+        ["--model", str(model), "--json-schema", str(tmp_path / "schema.json"), "--num-images", "4",
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--rate-sizes", "128",
+         "--json", str(tmp_path / "so.json")]
+    )  # fmt: skip
+    assert res["mode"] == "json_schema" and res["num_requests"] == 4 and len(res["free_seconds_runs"]) == 2
+    assert res["json_schema_completed"] >= 1 and res["json_schema_valid"] == res["json_schema_completed"]
+    assert res["free_output_tokens"] > res["json_schema_output_tokens"] > 0  # the grammar ends them early
+    expected = res["free_output_tokens_per_s"] / res["json_schema_output_tokens_per_s"] - 1
+    assert res["overhead_per_token"] == pytest.approx(expected)
+    assert json.loads((tmp_path / "so.json").read_text())["overhead_per_token"] == res["overhead_per_token"]

@@ -1,0 +1,148 @@
+"""Priority that bites: image-first, explicit priority, preemption of running requests, and
+outputs that the machinery never changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.images import make_image
+from mm_engine import LLM, SamplingParams
+from mm_engine.sched.scheduler import QueueFullError
+
+KV = 8 * 1024**2
+
+
+def image_prompt(seed: int, words: str = "what is this") -> dict:
+    return {"prompt": f"USER: <image> {words} ASSISTANT:", "multi_modal_data": {"image": make_image(seed)}}
+
+
+def text_prompt(words: str) -> str:
+    return f"USER: {words} ASSISTANT:"
+
+
+def first_token_steps(
+    llm: LLM, prompts: list, params: list, priorities: list[int] | None = None
+) -> list[int]:
+    """Submit everything at once, step by hand, and return the step of each request's first token."""
+    engine = llm.engine
+    ids = [
+        engine.add_request(p, sp, priority=(priorities or [0] * len(prompts))[i])
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, step)
+        step += 1
+    return [first[i] for i in ids]
+
+
+def mixed(n: int):
+    prompts, kinds = [], []
+    for i in range(n):
+        if i % 2 == 0:
+            prompts.append(text_prompt("how many shapes " * (1 + i % 3)))
+            kinds.append("text")
+        else:
+            prompts.append(image_prompt(i))
+            kinds.append("image")
+    return prompts, kinds
+
+
+def test_image_requests_first_under_priority_and_arrival_order_under_fcfs(clip_llama):
+    prompts, kinds = mixed(8)  # text first in arrival order
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True) for _ in prompts]
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_num_seqs=2, scheduling_policy="priority")
+    steps = first_token_steps(llm, prompts, params)
+    image_steps = [s for s, k in zip(steps, kinds, strict=True) if k == "image"]
+    text_steps = [s for s, k in zip(steps, kinds, strict=True) if k == "text"]
+    assert max(image_steps) < min(text_steps)
+
+    fcfs = LLM(clip_llama, kv_cache_memory_bytes=KV, max_num_seqs=2, scheduling_policy="fcfs")
+    steps = first_token_steps(fcfs, prompts, params)
+    assert steps == sorted(steps) and steps[0] < steps[-1]
+
+
+def test_explicit_priority_beats_image_first(clip_llama):
+    prompts, kinds = mixed(6)
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True) for _ in prompts]
+    priorities = [-1 if k == "text" else 0 for k in kinds]
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_num_seqs=1)
+    steps = first_token_steps(llm, prompts, params, priorities)
+    text_steps = [s for s, k in zip(steps, kinds, strict=True) if k == "text"]
+    image_steps = [s for s, k in zip(steps, kinds, strict=True) if k == "image"]
+    assert max(text_steps) < min(image_steps)
+
+
+def test_waiting_high_priority_preempts_running_low_priority_in_a_full_batch(clip_llama):
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_num_seqs=2)
+    engine = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    low = [engine.add_request(image_prompt(s), long, priority=5) for s in (1, 2)]
+    for _ in range(3):
+        engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == set(low)
+    urgent = engine.add_request(
+        text_prompt("tell me"), SamplingParams(temperature=0, max_tokens=3), priority=0
+    )
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        if urgent in outs:
+            assert not any(rid in outs for rid in low)  # it finished while the batch was full of others
+            break
+    assert engine.scheduler.num_preemptions >= 1
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    alone = LLM(clip_llama, kv_cache_memory_bytes=KV)
+    for rid, seed in zip(low, (1, 2), strict=True):
+        assert (
+            outs[rid].outputs[0].token_ids == alone.generate(image_prompt(seed), long)[0].outputs[0].token_ids
+        )
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_modes_do_not_change_outputs(clip_llama, mode):
+    prompts = [image_prompt(20 + i, "what is this " * (i % 3)) for i in range(6)] + [text_prompt("how many")]
+    params = [SamplingParams(temperature=0, max_tokens=18 + 3 * i, ignore_eos=True) for i in range(7)]
+    plain = LLM(clip_llama, kv_cache_memory_bytes=KV, enable_prefix_caching=False)
+    expected = [plain.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    # 16 KiB per block of 8: 20 blocks cannot hold the batch at once.
+    tight = LLM(
+        clip_llama,
+        kv_cache_memory_bytes=16 * 1024 * 20,
+        block_size=8,
+        image_pool_fraction=0.4,
+        preemption_mode=mode,
+        swap_space_bytes=16 * 1024 * 6,  # room for some victims only: the rest recompute
+    )
+    outs = tight.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    report = tight.kv_report()
+    if mode == "swap":
+        assert report["swap"]["swapped_out_blocks"] > 0
+        assert report["swap"]["swapped_in_blocks"] > 0
+        assert report["swap"]["host_bytes_used"] == 0
+    assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
+
+
+def test_queue_full_is_refused_clearly_online_and_waited_out_offline(clip_llama):
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_waiting_requests=2)
+    engine = llm.engine
+    engine.add_request(text_prompt("a"), SamplingParams(max_tokens=2))
+    engine.add_request(text_prompt("b"), SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError, match="queue full"):
+        engine.add_request(text_prompt("c"), SamplingParams(max_tokens=2))
+    assert len(engine.requests) == 2  # the refused one left nothing behind
+    while engine.has_unfinished():
+        engine.step()
+    # LLM.generate is offline: more prompts than the queue holds just wait their turn.
+    outs = llm.generate([text_prompt(w) for w in "abcdefg"], SamplingParams(temperature=0, max_tokens=2))
+    assert len(outs) == 7 and all(o.finished for o in outs)
+    assert not engine.requests and llm.kv_report()["text"]["used_blocks"] == 0

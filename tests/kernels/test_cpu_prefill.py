@@ -1,0 +1,146 @@
+"""The C prefill kernel (kernels/cpu_prefill.c), on every ISA variant this CPU runs: every prefill
+chunk of a step in one call, causal over cached context plus the chunk, straight from the pool;
+and the vision tower's bidirectional attention through the same kernel. Each is held to SDPA over
+the sequence's own keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.attention import fill_pool, make_meta
+from mm_engine.kernels import cpu_prefill
+from mm_engine.kernels.ops import CpuOps
+from mm_engine.kernels.torch_backend import TorchBackend
+from mm_engine.pools.kv_cache import paged_kv_tensor
+
+
+def _reference(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of the last len(q) tokens of a sequence over all its keys, in float64."""
+    m, n = q.shape[0], k.shape[0]
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[n - m :]
+    out = F.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1) for t in (q, k, v)), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1).float()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kvh", "d", "bs"),
+    [
+        (9, 3, 64, 16),
+        (4, 4, 128, 8),
+        (8, 1, 64, 16),
+        (6, 2, 80, 32),
+        (12, 2, 96, 16),
+        (4, 2, 256, 16),
+        (4, 1, 32, 4),
+        (64, 1, 16, 16),
+    ],
+)
+def test_prefill_kernel_matches_causal_attention_over_each_sequence(heads, kvh, d, bs, cpu_kernels):
+    """Whole prompts (one longer than a tile), chunks after cached context, a one-token prompt and
+    decodes in one step; unused slots hold NaN; head sizes from 16 to 256 (64, 80, 96, 128 and 256
+    as real checkpoints have them), groups from 1 to 64."""
+    g = torch.Generator().manual_seed(4)
+    seq_lens, q_lens = [70, 37, 50, 1, 9, 20, 33], [70, 37, 5, 1, 1, 1, 33]
+    tables, nxt = [], 1  # block 0 is never used: it stays NaN
+    for n in seq_lens:
+        tables.append(list(range(nxt, nxt + -(-n // bs))))
+        nxt += len(tables[-1])
+    k_cache = paged_kv_tensor(nxt, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
+    v_cache = paged_kv_tensor(nxt, bs, kvh, d, torch.float32, "cpu").fill_(float("nan"))
+    keys, values = fill_pool(k_cache, v_cache, seq_lens, tables, g)
+    meta = make_meta(seq_lens, q_lens, tables)
+    q = torch.randn(sum(q_lens), heads, d, generator=g)
+    out = TorchBackend(cpu_kernels).attend(q, k_cache, v_cache, meta, scale=d**-0.5)
+    start = 0
+    for k, v, m in zip(keys, values, q_lens, strict=True):
+        want = _reference(q[start : start + m], k, v, d**-0.5)
+        torch.testing.assert_close(out[start : start + m], want, rtol=1e-4, atol=1e-5)
+        start += m
+
+
+def test_prefill_kernel_reads_queries_through_their_strides_and_writes_only_its_rows(cpu_lib):
+    """Queries as the model hands them over (a view into the fused q/k output, rows wider than the
+    heads); rows of sequences not passed to the kernel are left as they were."""
+    g = torch.Generator().manual_seed(5)
+    heads, kvh, d, bs = 4, 2, 32, 16
+    k_cache = paged_kv_tensor(4, bs, kvh, d, torch.float32, "cpu")
+    v_cache = paged_kv_tensor(4, bs, kvh, d, torch.float32, "cpu")
+    keys, values = fill_pool(k_cache, v_cache, [20, 12], [[0, 1], [2]], g)
+    qk = torch.randn(32, heads + kvh, d, generator=g)
+    q = qk[:, :heads]
+    out = torch.full((32, heads, d), 7.0)
+    got = cpu_prefill.paged_prefill(
+        cpu_lib, q, k_cache, v_cache, torch.tensor([[2, 0]]), [20], [12], [12], d**-0.5, out=out
+    )
+    assert got is out
+    torch.testing.assert_close(
+        out[20:], _reference(q[20:], keys[1], values[1], d**-0.5), rtol=1e-4, atol=1e-5
+    )
+    assert bool((out[:20] == 7.0).all())
+
+
+def test_prefill_kernel_declines_what_it_cannot_take(cpu_kernels):
+    """Not float32, a head size that is no multiple of 16 (on every variant alike), or a
+    mismatched `out`: None, and the backend's torch path answers instead."""
+    lib = cpu_kernels.lib
+    g = torch.Generator().manual_seed(6)
+    cache = paged_kv_tensor(2, 4, 1, 8, torch.float32, "cpu")
+    fill_pool(cache, cache, [5], [[0, 1]], g)
+    q = torch.randn(5, 2, 8, generator=g)
+    args = (torch.tensor([[0, 1]]), [0], [5], [5], 1.0)
+    assert cpu_prefill.paged_prefill(lib, q, cache, cache, *args) is None  # head size 8
+    wide = paged_kv_tensor(2, 4, 1, 16, torch.float32, "cpu").zero_()
+    assert cpu_prefill.paged_prefill(lib, torch.randn(5, 2, 16).double(), wide, wide, *args) is None
+    short = torch.empty(4, 2, 16)
+    assert cpu_prefill.paged_prefill(lib, torch.randn(5, 2, 16), wide, wide, *args, out=short) is None
+    meta = make_meta([5], [5], [[0, 1]])
+    want = TorchBackend().attend(q, cache, cache, meta, scale=1.0)
+    torch.testing.assert_close(TorchBackend(cpu_kernels).attend(q, cache, cache, meta, scale=1.0), want)
+
+
+def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
+    """[batch, heads, tokens, dim] views of one [batch, tokens, 3, heads, dim] projection, as a
+    vision tower makes them: every token sees every token of its own image only."""
+    g = torch.Generator().manual_seed(7)
+    b, heads, t, d = 3, 4, 37, 32
+    x = torch.randn(b, t, 3, heads, d, generator=g)
+    q, k, v = (x[:, :, j].transpose(1, 2) for j in range(3))
+    from mm_engine.models.platform import _vision_attention
+
+    attention = _vision_attention(CpuOps(cpu_kernels))
+    out, weights = attention(None, q, k, v, None, scaling=0.2)
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.2).transpose(1, 2)
+    assert weights is None and out.shape == (b, t, heads, d)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    mask = torch.zeros(b, 1, t, t)
+    mask[..., -5:] = float("-inf")  # with a mask, SDPA answers
+    out, _ = attention(torch.nn.Module(), q, k, v, mask, scaling=0.2)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2).transpose(1, 2)
+    torch.testing.assert_close(out, want)
+
+
+def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enabled(
+    siglip_qwen2, monkeypatch
+):
+    """By default the measured table decides (SDPA won on every ISA measured so far); with the
+    kernel enabled the tower's attention goes through it, and the features are the same."""
+    from mm_engine import LLM
+
+    kw = {"kv_cache_memory_bytes": 4 * 1024**2}
+    default = LLM(siglip_qwen2, **kw).engine
+    routed = default.model.vision_tower.config._attn_implementation.startswith("mm_engine")
+    assert routed == default.platform.kernels.uses("vision_attention")
+    monkeypatch.setenv("MM_ENGINE_CPU_KERNELS", "all")
+    fast = LLM(siglip_qwen2, **kw).engine
+    plain = LLM(siglip_qwen2, attention_backend="torch", **kw).engine
+    name = f"mm_engine_{fast.platform.ops.name}"
+    assert fast.model.vision_tower.config._attn_implementation == name
+    assert not plain.model.vision_tower.config._attn_implementation.startswith("mm_engine")
+    size = fast.hf_config.vision_config.image_size
+    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
+    want = plain.model.encode_images(pixels)
+    torch.testing.assert_close(fast.model.encode_images(pixels), want, rtol=1e-3, atol=5e-5)

@@ -1,0 +1,256 @@
+"""Tensor parallelism on CPU: TP=2 (rank 0 and one worker process, on the 2 cores) gives the greedy
+tokens of TP=1 for LLaVA and transformers' for the other families, through chunked prefill, prefix reuse
+with the partial-block copy, preemption (recompute and swap), async scheduling and an abort; a
+split the model cannot take is refused before any worker starts; a worker that dies stops the
+engine with a device fault, at once, instead of a hang."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.families import family_prompt, greedy, mm
+from helpers.images import make_image
+from mm_engine import LLM, SamplingParams
+from mm_engine.core.faults import StepFailedError
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+TIGHT = dict(block_size=8, image_pool_fraction=0.4, max_num_batched_tokens=16)
+KV = 16 * 1024 * 20  # 20 blocks at TP=1; the same 20 blocks at TP=2 in half the bytes per rank
+
+
+def _prompts() -> list:
+    scene = {"image": [make_image(5)]}
+    return [
+        {"prompt": "USER: <image> describe the picture in many words ASSISTANT:", "multi_modal_data": scene},
+        {"prompt": "USER: <image> describe the picture in many words ASSISTANT:", "multi_modal_data": scene},
+        "USER: what is red and what is blue ASSISTANT:",
+        {"prompt": "USER: <image> what is this ASSISTANT:", "multi_modal_data": {"image": [make_image(6)]}},
+    ]
+
+
+def _tokens(llm: LLM, prompts, n: int = 20) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_llava_tp2_equals_tp1_through_chunks_reuse_and_preemption(clip_llama):
+    plain = LLM(clip_llama, kv_cache_memory_bytes=KV, **TIGHT)
+    expected = _tokens(plain, _prompts())
+    assert plain.kv_report()["text"]["preemptions"] + plain.kv_report()["image"]["preemptions"] > 0
+    threads = torch.get_num_threads()
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=KV // 2, **TIGHT)
+    try:
+        assert _tokens(llm, _prompts()) == expected
+        # Rank 0 computes with its share of the cores, and the caller's thread keeps its own count.
+        assert llm.engine.runner.threads == max(1, threads // 2)
+        assert torch.get_num_threads() == threads
+        report = llm.kv_report()
+        assert report["text"]["preemptions"] + report["image"]["preemptions"] > 0  # tight pools: recompute
+        assert report["image"]["prefix_cache_hits"] + report["text"]["partial_block_copies"] > 0
+        assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
+    finally:
+        llm.close()
+
+
+def test_qwen2_vl_tp2_equals_transformers_and_survives_an_abort(vl_family):
+    path, ref = vl_family("qwen2_vl")
+    cases = [(family_prompt("qwen2_vl", "describe", 1), [make_image(3, (40, 60))], 8),
+             (family_prompt("qwen2_vl", "hello there", 0), [], 6)]  # fmt: skip
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, block_size=8,
+              max_num_batched_tokens=16)  # fmt: skip
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
+        engine = llm.engine
+        engine.add_request(mm(*cases[0][:2]), greedy(30), request_id="gone")
+        engine.add_request(mm(*cases[1][:2]), greedy(6), request_id="kept")
+        finals, step = {}, 0
+        while engine.has_unfinished():
+            if step == 3:
+                engine.abort("gone")
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+            step += 1
+        assert (
+            list(finals) == ["kept"] and finals["kept"].outputs[0].token_ids == outs[1].outputs[0].token_ids
+        )
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    finally:
+        llm.close()
+
+
+def test_a_split_the_model_cannot_take_is_refused_before_any_worker(siglip_qwen2, clip_llama):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide .*num_key_value_heads"):
+        LLM(siglip_qwen2, tensor_parallel_size=2)  # one KV head
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLM(clip_llama, tensor_parallel_size=3)
+
+
+TWO_IMAGES = {"prompt": "USER: <image> <image> both ASSISTANT:",
+              "multi_modal_data": {"image": [make_image(1), make_image(2)]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("then", [None, TWO_IMAGES], ids=["mid-decode", "before-an-encode"])
+def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama, then):
+    """Killed between two decodes, or before a step whose images it would encode a share of."""
+    kw = dict(kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
+    llm = LLM(clip_llama, tensor_parallel_size=2, **kw)
+    try:
+        engine = llm.engine
+        engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        worker = engine.parallel._procs[0]
+        worker.kill()
+        worker.wait()
+        if then is not None:
+            engine.add_request(then, SamplingParams(max_tokens=4))
+        with pytest.raises(StepFailedError) as info:
+            while engine.has_unfinished():
+                engine.step()
+        assert info.value.device_lost
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    finally:
+        llm.close()
+
+
+def test_rank0_failing_inside_a_forward_stops_the_group_at_once(clip_llama):
+    """Out of memory in rank 0's second layer, say: the worker waits in a collective that will
+    never come, and the next step's would pair with it (wrong tokens, silently). So it is a device
+    fault: the workers stop at once, every block is freed, and closing does not wait for them."""
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2)
+    try:
+        engine = llm.engine
+        engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        mlp = engine.model.language_model.layers[1].mlp
+
+        def out_of_memory(x):
+            raise torch.OutOfMemoryError("no memory for the MLP")
+
+        mlp.forward = out_of_memory
+        with pytest.raises(StepFailedError) as info:
+            engine.step()
+        assert info.value.device_lost
+        assert all(proc.poll() is not None for proc in engine.parallel._procs)
+        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    finally:
+        llm.close()
+
+
+def test_it_composes_with_the_core_process_and_data_parallelism(clip_llama):
+    import asyncio
+
+    from mm_engine.engine.async_client import AsyncMPLLM
+
+    kw = dict(kv_cache_memory_bytes=4 * 1024**2, block_size=8)
+    prompts = ["USER: what is red ASSISTANT:", "USER: what is blue and green ASSISTANT:"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(clip_llama, **kw).generate(prompts, params)]
+    # Two engine-core processes, each rank 0 of its own pair (the sync client's core process is
+    # the same process, so this covers `LLM(..., multiprocess=True)` too).
+    llm = AsyncMPLLM.from_engine_args(clip_llama, data_parallel_size=2, tensor_parallel_size=2, **kw)
+
+    async def run(prompt: str, rid: str) -> list[int]:
+        inputs = await llm.process_prompt(prompt)
+        outs = [out async for out in llm.generate(inputs, params, request_id=rid)]
+        return outs[-1].outputs[0].token_ids
+
+    async def both() -> tuple[list, set]:
+        try:
+            got = await asyncio.gather(*(run(p, f"r{k}") for k, p in enumerate(prompts)))
+            return got, {len(s["per_core"]) for s in [llm.stats()]}
+        finally:
+            await llm.shutdown()
+
+    got, cores = asyncio.run(both())
+    assert got == expected and cores == {2}  # two cores, each over two ranks
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, device):
+    """`tensor_parallel_always`: the sharded layers, the wire and the group (gloo; NCCL on CUDA)
+    with one rank, against the engine without them."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here (bench/gpu_checks.sh runs this on a GPU)")
+    kw = dict(device=device, kv_cache_memory_bytes=8 * 1024**2, block_size=8)
+    expected = _tokens(LLM(clip_llama, **kw), _prompts())
+    llm = LLM(clip_llama, tensor_parallel_always=True, **kw)
+    try:
+        assert llm.engine.parallel is not None and llm.engine.parallel.group.world == 1
+        assert _tokens(llm, _prompts()) == expected
+    finally:
+        llm.close()
+
+
+def test_a_worker_keeps_only_its_language_model(vl_family):
+    from mm_engine import models
+    from mm_engine.models.loader import load_config
+    from mm_engine.models.platform import make_platform
+    from mm_engine.parallel.worker import drop_vision
+
+    path, _ = vl_family("qwen2_vl")
+    cpu = torch.device("cpu")
+    model = models.load_model(Path(path), load_config(Path(path)), torch.float32, torch.float32, cpu,
+                              make_platform(cpu, "torch"))  # fmt: skip
+    assert any(not n.startswith("language_model.") for n, _ in model.named_parameters())
+    drop_vision(model)
+    assert all(n.startswith("language_model.") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_async_scheduling_over_the_ranks(clip_llama, mode):
+    """A decode whose input is the previous step's token still on the device: the workers get
+    those tokens with the step (in the forward's order), so async scheduling composes with TP."""
+    kw = dict(kv_cache_memory_bytes=8 * 1024**2, block_size=8)
+    expected = _tokens(LLM(clip_llama, **kw), _prompts())
+    llm = LLM(clip_llama, tensor_parallel_size=2, async_scheduling=True, async_launch=mode, **kw)
+    try:
+        assert llm.engine.launcher is not None
+        assert _tokens(llm, _prompts()) == expected
+        assert llm.engine.runner.encoder.images_per_rank == [1, 1]  # an encode beside the launches
+    finally:
+        llm.close()
+
+
+def test_swap_preemption_over_the_ranks(clip_llama):
+    """Each worker repeats rank 0's swaps on its own KV heads (out, in, dropped)."""
+    kw = dict(preemption_mode="swap", **TIGHT)
+    plain = LLM(clip_llama, kv_cache_memory_bytes=KV, **kw)
+    expected = _tokens(plain, _prompts())
+    assert plain.kv_report()["swap"]["swapped_in_blocks"] > 0
+    llm = LLM(clip_llama, tensor_parallel_size=2, kv_cache_memory_bytes=KV // 2, **kw)
+    try:
+        assert _tokens(llm, _prompts()) == expected
+        report = llm.kv_report()
+        assert report["swap"]["swapped_in_blocks"] == plain.kv_report()["swap"]["swapped_in_blocks"]
+        assert report["swap"]["host_bytes_used"] == 0
+    finally:
+        llm.close()
+
+
+# One family per language-model and connector path: Qwen2-VL (M-RoPE, image grids), Qwen3-VL
+# (DeepStack, q/k norms, interleaved M-RoPE), Idefics3 (padded crops with a pixel mask), InternVL
+# (pixel shuffle, the tower/projector layout), Mistral 3 (patch merger), LLaVA-OneVision (anyres
+# packing, Qwen2's biases). Their twins share these paths: Qwen2.5-VL, SmolVLM, InternVL-Qwen3,
+# LLaVA-NeXT. LLaVA is above, Gemma 3 in tests/families/test_gemma3.py.
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen3_vl", "idefics3", "internvl", "mistral3", "llava_onevision"]
+)
+def test_the_families_split_over_two_ranks(vl_family, family):
+    """TP=2 against transformers, two images in one step so that the worker encodes a share."""
+    path, ref = vl_family(family)
+    two = [make_image(3, (40, 60)), make_image(4, (64, 32))]  # of different sizes (grids, masks)
+    cases = [(family_prompt(family, "describe both", 2), two, 6),
+             (family_prompt(family, "hello there", 0), [], 6)]  # fmt: skip
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
+        assert llm.engine.runner.encoder.images_per_rank[1] > 0
+    finally:
+        llm.close()
