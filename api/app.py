@@ -1,7 +1,8 @@
 """The Litestar app: `create_app(async_llm, settings)`.
 
 The app does not own the engine: whoever made the `AsyncLLM` shuts it down (the server does after
-uvicorn returns), so tests can put several apps in front of one engine.
+uvicorn returns), so tests can put several apps in front of one engine. The image limits are the
+engine's, given when it is built (`mm-engine serve` builds it with `settings.image_limits()`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ def create_app(
     llm: AsyncLLM, settings: ServerSettings | None = None, *, fetcher: MediaFetcher | None = None
 ) -> Litestar:
     settings = settings or ServerSettings()
-    llm.set_image_limits(settings.image_limits())
     metrics_ = Metrics(llm)
     llm.listener = metrics_
     fetcher = fetcher or MediaFetcher(

@@ -165,8 +165,8 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
     settings.api_server_index = index
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    limits = settings.image_limits()
     common = dict(
-        image_limits=settings.image_limits(),
         input_workers=settings.input_workers,
         light_input_bytes=settings.light_input_bytes,
         stall_timeout=settings.health_stall_timeout,
@@ -177,13 +177,13 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
             restart=args.engine_core_restart, max_restarts=args.max_core_restarts, on_dead=exit_.dead
         )
         llm = AsyncMPLLM(
-            config, **common, **restart, data_parallel_size=args.data_parallel_size, attach=attach,
-            frontend_index=index,
+            config, image_limits=limits, **common, **restart, data_parallel_size=args.data_parallel_size,
+            attach=attach, frontend_index=index,
         )  # fmt: skip
     elif args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size needs --engine-core process")
     else:
-        llm = AsyncLLM(LLMEngine(config), **common)
+        llm = AsyncLLM(LLMEngine(config, image_limits=limits), **common)
     return llm, settings, exit_
 
 

@@ -34,7 +34,7 @@ from mm_engine.cli import engine_kwargs
 from mm_engine.config import EngineConfig
 from mm_engine.core.process import StartUp
 from mm_engine.engine.process_client import core_config, spawn_core
-from mm_engine.frontend.setup import build_frontend
+from mm_engine.frontend.frontend import Frontend
 from mm_engine.models.loader import load_config, resolve_model_path
 
 POLL_S = 0.2
@@ -63,7 +63,7 @@ class Supervisor:
         config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
         path = resolve_model_path(config.model)
         # The per-image token cap depends on the family's processing: the frontend's to resolve.
-        self.max_image_tokens = build_frontend(config, path, load_config(path)).max_image_tokens
+        self.max_image_tokens = Frontend(config, path, load_config(path)).max_image_tokens
         self.config = dataclasses.replace(config, model=str(path))
         self.run_dir = tempfile.mkdtemp(prefix="mm-engine-serve-")
         self.metrics_dir = Path(self.run_dir) / "metrics"

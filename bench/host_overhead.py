@@ -63,7 +63,7 @@ def measure(model: str, batch: int, steps: int, device: str) -> dict:
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
     for k in range(batch):
         engine.add_request(f"USER: what is shape {k} ASSISTANT:", params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.requests.values()):
         engine.step()  # prefill (and the first tokens): not measured
     timers: dict[str, float] = defaultdict(float)
     core = engine.core
@@ -71,7 +71,7 @@ def measure(model: str, batch: int, steps: int, device: str) -> dict:
     _timed(core.runner, "prepare", timers, "prepare", sync)
     _timed(core.runner, "forward", timers, "forward", sync)
     _timed(core.sampler, "sample_tensor", timers, "sample", sync)
-    _timed(engine.output, "process", timers, "frontend_output", sync)
+    _timed(engine.frontend.output, "process", timers, "frontend_output", sync)
     core_total = 0.0
     step = core.step
 

@@ -87,14 +87,14 @@ def static_cache_bytes(text_config, max_len: int, dtype: torch.dtype) -> int:
 
 def _sample(engine) -> dict:
     """Allocated and filled slots per pool, from the pools and the running block tables."""
-    bs = engine.blocks.block_size
+    bs = engine.core.blocks.block_size
     fill: dict[int, int] = {}
-    for req in engine.scheduler.running:
+    for req in engine.core.scheduler.running:
         for i, block in enumerate(req.block_table):
             fill[block] = max(fill.get(block, 0), min(bs, max(0, req.num_computed_tokens - i * bs)))
-    out = {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}
+    out = {"running": len(engine.core.scheduler.running), "waiting": len(engine.core.scheduler.waiting)}
     for name in POOLS:
-        pool = engine.blocks.pools[name]
+        pool = engine.core.blocks.pools[name]
         mine = [n for b, n in fill.items() if b in pool]
         out[name] = {
             "used": pool.num_used,
@@ -116,14 +116,14 @@ def run(llm: LLM, items: list[Item], drain: bool = False) -> dict:
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=i.max_tokens, ignore_eos=True) for i in items]
     ids = [engine.add_request(item.prompt, sp) for item, sp in zip(items, params, strict=True)]
-    prompt_lens = [engine.requests[r].num_prompt_tokens for r in ids]
+    prompt_lens = [engine.core.requests[r].num_prompt_tokens for r in ids]
     samples, start = [], time.perf_counter()
     # Without --drain it stops when the queue empties: after that memory no longer binds, and the
     # long tail of decodes would take most of the time while telling nothing about packing.
-    while engine.has_unfinished() and (drain or engine.scheduler.waiting):
+    while engine.has_unfinished() and (drain or engine.core.scheduler.waiting):
         engine.step()
         samples.append(_sample(engine) | {"t": time.perf_counter() - start})
-    for rid in list(engine.requests):
+    for rid in list(engine.core.requests):
         engine.abort(rid)
     wall = time.perf_counter() - start
     queued = [s for s in samples if s["waiting"]] or samples  # KV-bound: someone waits for blocks
@@ -139,13 +139,13 @@ def run(llm: LLM, items: list[Item], drain: bool = False) -> dict:
         "seqs_mean": statistics.fmean(s["running"] for s in queued),
         "seqs_max": max(s["running"] for s in queued),
         "pool_use_queued": {p: statistics.fmean(s[p]["used_frac"] for s in queued) for p in POOLS},
-        "prefix_cache_hits": {p: engine.blocks.pools[p].hits for p in POOLS},
+        "prefix_cache_hits": {p: engine.core.blocks.pools[p].hits for p in POOLS},
         # Blocks in use that no running request holds: a leak while running (should stay 0).
         "untracked_blocks_max": max(s[p]["used"] - s[p]["held"] for s in samples for p in POOLS),
-        "preemptions": engine.scheduler.num_preemptions,
-        "leaked_blocks": {p: engine.blocks.pools[p].num_used for p in POOLS},
+        "preemptions": engine.core.scheduler.num_preemptions,
+        "leaked_blocks": {p: engine.core.blocks.pools[p].num_used for p in POOLS},
         "timeline": samples,
-        "cached_blocks_after": {p: engine.blocks.pools[p].num_cached for p in POOLS},
+        "cached_blocks_after": {p: engine.core.blocks.pools[p].num_cached for p in POOLS},
     }
 
 
@@ -154,11 +154,11 @@ def measure(llm: LLM, items: list[Item], budget: int, drain: bool = False) -> di
     result = run(llm, items, drain)
     engine = llm.engine
     max_len = max(result["prompt_lens"]) + max(i.max_tokens for i in items)
-    per_seq = static_cache_bytes(engine.hf_config.text_config, max_len, engine.kv.spec.dtype)
+    per_seq = static_cache_bytes(engine.core.hf_config.text_config, max_len, engine.core.kv.spec.dtype)
     result["hf_max_len"] = max_len
     result["hf_bytes_per_seq"] = per_seq
     result["hf_bytes_per_token"] = per_seq / max_len
-    result["engine_bytes_per_token"] = engine.kv.spec.bytes_per_block / engine.kv.spec.block_size
+    result["engine_bytes_per_token"] = engine.core.kv.spec.bytes_per_block / engine.core.kv.spec.block_size
     result["hf_seqs"] = budget // per_seq
     hf = max(1, result["hf_seqs"])  # a budget below one static cache still counts as one sequence
     result["concurrent_seqs_ratio"] = result["seqs_mean"] / hf

@@ -169,7 +169,7 @@ def _profile(engine) -> dict[str, float]:
 
         setattr(obj, name, wrapper)
 
-    runner = engine.runner
+    runner = engine.core.runner
     execute = runner.execute
 
     def execute_split(items, *rest):
@@ -185,10 +185,10 @@ def _profile(engine) -> dict[str, float]:
 
     runner.execute = execute_split
     timed(runner, "_encode_images", "vision")
-    timed(engine.scheduler, "schedule", "scheduling")
-    timed(engine.sampler, "sample_tensor", "sampling")
+    timed(engine.core.scheduler, "schedule", "scheduling")
+    timed(engine.core.sampler, "sample_tensor", "sampling")
     timed(engine.inputs, "process", "input processing")
-    timed(engine.output, "process", "detokenization")  # text, stop strings, outputs
+    timed(engine.frontend.output, "process", "detokenization")  # text, stop strings, outputs
     return timers
 
 

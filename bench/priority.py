@@ -68,7 +68,7 @@ def replay(llm: LLM, trace: list[dict]) -> dict:
             time.sleep(max(0.0, pending[0]["t"] - (time.time() - start)))
     wall = time.time() - start
     stats: dict = {"wall_s": wall, "requests_per_s": len(done) / wall}
-    stats["preemptions"] = engine.scheduler.num_preemptions
+    stats["preemptions"] = engine.core.scheduler.num_preemptions
     stats["output_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in done.values()) / wall
     for modality in ("image", "text"):
         ttft = [

@@ -39,7 +39,7 @@ def step_seconds(llm: LLM, batch: int, context: int, steps: int, seed: int) -> l
     ids = []
     for _ in range(batch):  # distinct prompts: nothing shared through the prefix cache
         ids.append(engine.add_request(" ".join(rng.choice(WORDS) for _ in range(context)), params))
-    while any(r in engine.requests and not engine.requests[r].output_token_ids for r in ids):
+    while any(r in engine.core.requests and not engine.core.requests[r].output_token_ids for r in ids):
         engine.step()
     engine.step()  # one decode step to settle
     times = []
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
         print(f"  batch {b:3d}: {med * 1e3:8.1f} ms/step", flush=True)
-    leaked = {n: p.num_used for n, p in llm.engine.blocks.pools.items()}
+    leaked = {n: p.num_used for n, p in llm.engine.core.blocks.pools.items()}
     result = {
         "context": args.context,
         "matmul_gflops_per_s": peak / 1e9,

@@ -56,7 +56,9 @@ class EngineCore(OverlappedSteps):
             tune_malloc()
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
-        self.platform = make_platform(self.device, config.attention_backend)
+        self.platform = make_platform(
+            self.device, config.attention_backend, config.cpu_kernel_variant, config.cpu_kernels
+        )
         # Tensor parallelism: the workers start first, so that they load their shards meanwhile.
         self.parallel = None
         if config.parallel:
@@ -121,12 +123,14 @@ class EngineCore(OverlappedSteps):
             config.max_waiting_requests,
             whole_images=self.model.bidirectional_images,
         )
-        self.runner = ModelRunner(self.model, self.kv, self.platform.backend, self.device, self.encoder_cache)
-        if self.parallel is not None:
-            self.runner.peers = self.parallel
-            self.runner.threads = rank_threads(config)
-            if config.mm_encoder_tp_mode == "data":
-                self.runner.encoder = DataParallelEncoder(self.model, self.parallel)
+        tp = self.parallel
+        shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
+        self.runner = ModelRunner(
+            self.model, self.kv, self.platform.backend, self.device, self.encoder_cache,
+            peers=tp,
+            encoder=DataParallelEncoder(self.model, tp) if shared_tower else None,
+            threads=rank_threads(config) if tp is not None else None,
+        )  # fmt: skip
         # The engine's own random stream for unseeded requests: torch's global RNG is the caller's.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}

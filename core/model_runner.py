@@ -74,7 +74,15 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         encoder_cache: EncoderCache,
+        *,
+        peers: Peers | None = None,
+        encoder: Callable[[list[ImageSpan]], list[torch.Tensor]] | None = None,
+        threads: int | None = None,
     ) -> None:
+        """`peers`: under tensor parallelism (rank 0), what hands each forward's inputs to the
+        workers first. `encoder`: what encodes a step's images (default the model's own; under TP
+        with mm_encoder_tp_mode "data", every rank a share). `threads`: torch threads of this
+        runner's work (tensor-parallel ranks on a CPU share its cores); None: the caller's."""
         self.model = model
         self.encoder_cache = encoder_cache
         self.kv = kv
@@ -86,13 +94,9 @@ class ModelRunner:
         # index -> features. The runner's own state; the engine releases a request's when it is
         # preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
-        # Tensor parallelism (rank 0): hands each forward's inputs to the workers first.
-        self.peers: Peers | None = None
-        # What encodes a step's images (under TP with mm_encoder_tp_mode "data": every rank, a share each).
-        self.encoder: Callable[[list[ImageSpan]], list[torch.Tensor]] = model.encode
-        # Torch threads of this runner's work (tensor-parallel ranks on a CPU share its cores);
-        # None: the calling thread's own.
-        self.threads: int | None = None
+        self.peers = peers
+        self.encoder = encoder or model.encode
+        self.threads = threads
 
     def execute(
         self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from mm_engine.core.messages import ImageMsg, TensorMsg
+from mm_engine.core.messages import Add, ImageMsg, TensorMsg
+from mm_engine.core.types import CoreRequest
 from mm_engine.request import ImageSpan
 
 
@@ -83,3 +84,12 @@ class PixelStore:
         for key in forget:
             self._pixels.pop(key, None)
         return out
+
+
+def add_message(request: CoreRequest, ledger: PixelLedger, frontend: int = 0) -> Add:
+    """A request as the `Add` a core process takes, its images' pixels sent only where `ledger`
+    says that core does not hold them yet."""
+    images, forget = ledger.encode(request.images)
+    eos = sorted(request.eos_token_ids)
+    return Add(request.request_id, request.token_ids, images, request.params, eos, request.priority,
+               request.arrival_time, forget, frontend)  # fmt: skip

@@ -146,14 +146,15 @@ def supported(name: str) -> bool:
     return variant is not None and set(variant.needs) <= cpu_features()
 
 
-def best_variant() -> str:
-    """The widest variant this CPU runs, or `$MM_ENGINE_CPU_VARIANT` where that is set (and runs)."""
-    wanted = os.environ.get("MM_ENGINE_CPU_VARIANT")
+def best_variant(wanted: str | None = None) -> str:
+    """`wanted` (default `$MM_ENGINE_CPU_VARIANT`) where it is given and this CPU runs it, else
+    the widest variant this CPU runs."""
+    wanted = wanted or os.environ.get("MM_ENGINE_CPU_VARIANT")
     if wanted:
         if wanted not in VARIANTS:
-            raise ValueError(f"MM_ENGINE_CPU_VARIANT must be one of {sorted(VARIANTS)}, got {wanted!r}")
+            raise ValueError(f"cpu_kernel_variant must be one of {sorted(VARIANTS)}, got {wanted!r}")
         if not supported(wanted):
-            raise ValueError(f"MM_ENGINE_CPU_VARIANT={wanted}: this CPU lacks {why_unsupported(wanted)}")
+            raise ValueError(f"cpu_kernel_variant {wanted}: this CPU lacks {why_unsupported(wanted)}")
         return wanted
     return next(name for name in VARIANTS if supported(name))
 

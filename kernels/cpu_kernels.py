@@ -52,7 +52,7 @@ def select(variant: str | None = None, kernels: str | None = None) -> CpuKernels
     """The kernels for this process: `variant` (default `cpu_build.best_variant()`), with the
     kernels `kernels` names (default `$MM_ENGINE_CPU_KERNELS`, else the measured table); None
     where no library builds or none is enabled."""
-    name = variant or cpu_build.best_variant()
+    name = cpu_build.best_variant(variant)
     spec = kernels if kernels is not None else os.environ.get("MM_ENGINE_CPU_KERNELS", "measured")
     enabled = _parse(spec, name)
     if not enabled:

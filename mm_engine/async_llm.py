@@ -28,7 +28,6 @@ from mm_engine.engine.async_types import ModelInfo, StatsListener
 from mm_engine.engine.engine_loop import Command, EngineLoop
 from mm_engine.engine.llm_engine import LLMEngine
 from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
-from mm_engine.vision.image_io import ImageLimits
 
 
 class AsyncLLM(AsyncFrontend, EngineLoop):
@@ -36,19 +35,16 @@ class AsyncLLM(AsyncFrontend, EngineLoop):
         self,
         engine: LLMEngine,
         *,
-        image_limits: ImageLimits | None = None,
         input_workers: int = 2,
         light_input_bytes: int = LIGHT_INPUT_BYTES,
         stall_timeout: float = 60.0,
         listener: StatsListener | None = None,
     ) -> None:
         self.engine = engine
-        if image_limits is not None:
-            engine.inputs.limits = image_limits  # before the worker pool exists: no race
         info = ModelInfo(engine.max_model_len, engine.config.max_num_seqs, engine.inputs.tool_format)
         self._init_frontend(
             engine.inputs, info,
-            engine.config.max_waiting_requests, engine.stats(), engine.platform.info(),
+            engine.config.max_waiting_requests, engine.stats(), engine.platform_info(),
             input_workers, light_input_bytes, stall_timeout, listener,
         )  # fmt: skip
         self._inbox: collections.deque[Command] = collections.deque()
@@ -59,9 +55,11 @@ class AsyncLLM(AsyncFrontend, EngineLoop):
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLM:
-        """`AsyncLLM.from_engine_args(model, kv_cache_memory_bytes=..., stall_timeout=...)`."""
+        """`AsyncLLM.from_engine_args(model, kv_cache_memory_bytes=..., stall_timeout=...,
+        image_limits=...)`."""
+        limits = kwargs.pop("image_limits", None)
         own = {k: kwargs.pop(k) for k in list(kwargs) if k not in EngineConfig.__dataclass_fields__}
-        return cls(LLMEngine(EngineConfig.from_kwargs(model, **kwargs)), **own)
+        return cls(LLMEngine(EngineConfig.from_kwargs(model, **kwargs), image_limits=limits), **own)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (after every command sent before)."""

@@ -34,6 +34,12 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
+    # CPU: the C kernels' ISA variant (avx512, avx2, portable); None: $MM_ENGINE_CPU_VARIANT, else
+    # the widest this CPU runs. A variant the CPU lacks is refused.
+    cpu_kernel_variant: str | None = None
+    # CPU: which C kernels run ("all", "none", "measured" or names: "decode,prefill,gemm"); None:
+    # $MM_ENGINE_CPU_KERNELS, else "measured" (those measured faster on the variant).
+    cpu_kernels: str | None = None
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
     # CPU: keep freed tensor memory in glibc's heap (mm_engine.pools.cpu_memory). It changes the whole
     # process's malloc, so a library caller opts in; the `mm-engine` commands turn it on.

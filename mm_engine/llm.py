@@ -19,19 +19,11 @@ class LLM:
         """`model`: a checkpoint folder or a Hub name; None means the embedded demo model.
         `multiprocess`: run the engine core in a process of its own (tokenizing and
         detokenizing stay here and overlap with its steps)."""
-        config = EngineConfig.from_kwargs(model, **engine_args)
-        if multiprocess:
-            from mm_engine.engine.mp_engine import MPEngine
-
-            self.engine = MPEngine(config)
-        else:
-            self.engine = LLMEngine(config)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args), multiprocess=multiprocess)
 
     def close(self) -> None:
         """Stop the engine-core process, if there is one (it also stops when the LLM is collected)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     @property
     def tokenizer(self):

@@ -9,6 +9,7 @@ everywhere else torch. `Platform.info()` says which, for the start-up log line, 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from mm_engine.kernels.ops import TorchOps, ops_for
 from mm_engine.models.layers.packed_linear import pack_linears, panel_linears
 
 log = logging.getLogger(__name__)
+# The name a vision tower's attention goes by when the engine's ops run it (`adapt_vision_tower`).
+VISION_ATTENTION = "mm_engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +52,18 @@ class Platform:
         return f"device=cpu, attention=cpu, CPU C kernels: variant={info['cpu_variant']} ({kernels})"
 
 
-def make_platform(device: torch.device, attention_backend: str) -> Platform:
+def make_platform(
+    device: torch.device,
+    attention_backend: str,
+    cpu_variant: str | None = None,
+    cpu_kernel_set: str | None = None,
+) -> Platform:
+    """`cpu_variant` and `cpu_kernel_set`: the engine's `cpu_kernel_variant` and `cpu_kernels`
+    (None: `$MM_ENGINE_CPU_VARIANT` / `$MM_ENGINE_CPU_KERNELS`, else the CPU's widest variant
+    and the measured table)."""
     kernels = None
     if device.type == "cpu" and resolve_backend_name(attention_backend, device) == "cpu":
-        kernels = cpu_kernels.select()
+        kernels = cpu_kernels.select(cpu_variant, cpu_kernel_set)
         if kernels is None and cpu_build.status()["errors"]:
             log.warning("no CPU C kernels: %s", cpu_build.status()["errors"])
     platform = Platform(device, get_backend(attention_backend, device, kernels), ops_for(kernels), kernels)
@@ -115,11 +126,10 @@ def adapt_vision_tower(tower: nn.Module, platform: Platform) -> None:
     if platform.kernels is None:
         return
     if platform.kernels.uses("vision_attention"):
-        from transformers import AttentionInterface
-
-        name = f"mm_engine_{ops.name}"
-        AttentionInterface.register(name, _vision_attention(ops))
-        tower.set_attn_implementation(name)
+        attention = _vision_attention(ops)
+        for module in tower.modules():  # each module keeps its own engine's function
+            module.mm_engine_attention = attention
+        tower.set_attn_implementation(_register_dispatch())
     if platform.kernels.uses("gelu_tanh"):
         for module in tower.modules():
             if isinstance(getattr(module, "activation_fn", None), GELUTanh) and hasattr(module, "fc2"):
@@ -136,6 +146,20 @@ class OpsGeluTanh(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.gelu_tanh(x)
+
+
+@functools.cache
+def _register_dispatch() -> str:
+    """transformers looks attention functions up by name in a process-wide table: one stateless
+    entry goes there, once, and it calls the function the engine put on the module itself (so
+    two engines in one process never share or overwrite each other's)."""
+    from transformers import AttentionInterface
+
+    def dispatch(module, *args, **kwargs):
+        return module.mm_engine_attention(module, *args, **kwargs)
+
+    AttentionInterface.register(VISION_ATTENTION, dispatch)
+    return VISION_ATTENTION
 
 
 def _vision_attention(ops: TorchOps):

@@ -63,7 +63,9 @@ def main() -> int:
     try:
         path = resolve_model_path(config.model)
         hf_config = load_config(path)
-        platform = make_platform(device, config.attention_backend)
+        platform = make_platform(
+            device, config.attention_backend, config.cpu_kernel_variant, config.cpu_kernels
+        )
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model = models.load_model(
                 path, hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), device,

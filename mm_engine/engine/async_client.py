@@ -1,6 +1,6 @@
 """`AsyncMPLLM`: the async engine with its core in processes of their own, one or several.
 
-    event loops ── route, add/abort (under a lock) ──> CoreClient.send ──ZMQ──> engine-core process
+    event loops ── route, add/abort (under a lock) ──> CoreProcess.send ──ZMQ──> engine-core process
     collectors <── hand_out ── a reader thread per core: recv, detokenize, stop strings <──ZMQ──
 
 This process keeps what needs the tokenizer or talks to clients: input processing (worker
@@ -29,7 +29,7 @@ from typing import Any
 
 from mm_engine.config import EngineConfig
 from mm_engine.core import messages as m
-from mm_engine.core.pixels import PixelLedger
+from mm_engine.core.pixels import PixelLedger, add_message
 from mm_engine.engine.async_frontend import AsyncFrontend
 from mm_engine.engine.async_types import (
     EngineDeadError,
@@ -41,11 +41,10 @@ from mm_engine.engine.async_types import (
 )
 from mm_engine.engine.cores import CoreHandle, route
 from mm_engine.engine.engine_loop import Command, Stream, hand_out
-from mm_engine.engine.process_client import AttachedCore, CoreClient, start_cores
+from mm_engine.engine.process_client import AttachedCore, CoreProcess, start_cores
 from mm_engine.engine.stats import sum_stats
+from mm_engine.frontend.frontend import Frontend
 from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
-from mm_engine.frontend.output_processor import OutputProcessor
-from mm_engine.frontend.setup import build_frontend
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.vision.image_io import ImageLimits
 
@@ -78,13 +77,10 @@ class AsyncMPLLM(AsyncFrontend):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         path = resolve_model_path(config.model)
-        frontend = build_frontend(config, path, load_config(path))
-        if image_limits is not None:
-            frontend.inputs.limits = image_limits
+        # The reader threads take turns with its output processor under `_lock`.
+        self.frontend = frontend = Frontend(config, path, load_config(path), image_limits)
         self._core_config = dataclasses.replace(config, model=str(path))
         self._max_image_tokens = frontend.max_image_tokens
-        self.eos_token_ids = frontend.eos_token_ids
-        self.tokenizer = frontend.tokenizer  # the reader threads' (they take turns under `_lock`)
         self.restart, self.max_restarts, self.on_dead = restart, max_restarts, on_dead
         self._attached, self.frontend_index = attach is not None, frontend_index
         clients = (
@@ -105,7 +101,6 @@ class AsyncMPLLM(AsyncFrontend):
             ready.platform, input_workers, light_input_bytes, stall_timeout, listener,
         )  # fmt: skip
         self._lock = threading.Lock()  # the output processor, the ledgers, the routing, the sends
-        self._output = OutputProcessor(self.tokenizer)
         self._where: dict[str, CoreHandle] = {}  # request id -> its core
         self._rpcs: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
@@ -132,19 +127,16 @@ class AsyncMPLLM(AsyncFrontend):
                 if core is None:
                     self._finish(stream, EngineDeadError("the engine is not running"))
                     return
-                images, forget = core.pixels.encode(inputs.spans)
-                eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
-                arrival = time.time()
-                self._output.add(cmd.request_id, inputs.text, inputs.token_ids, params, arrival)
+                request = self.frontend.request(
+                    inputs.text, inputs.token_ids, inputs.spans, params, cmd.request_id, priority
+                )
                 core.requests.add(cmd.request_id)
                 self._where[cmd.request_id] = core
-                add = m.Add(cmd.request_id, inputs.token_ids, images, params, eos, priority, arrival, forget,
-                            self.frontend_index)  # fmt: skip
-                core.client.send(add)
+                core.client.send(add_message(request, core.pixels, self.frontend_index))
             stream.in_engine = True
         elif cmd.kind == "abort":
             with self._lock:
-                self._output.abort(cmd.request_id)
+                self.frontend.abort(cmd.request_id)
                 core = self._where.pop(cmd.request_id, None)
                 if core is not None:
                     core.requests.discard(cmd.request_id)
@@ -231,7 +223,7 @@ class AsyncMPLLM(AsyncFrontend):
             if msg.step_seconds and self.listener is not None:
                 self.listener.on_step(msg.step_seconds, len(msg.outputs), msg.stats)
             with self._lock:
-                outputs, stopped = self._output.process(msg.outputs)
+                outputs, stopped = self.frontend.process_outputs(msg.outputs)
                 if stopped:  # stop strings ended them: the core must not generate more
                     core.client.send(m.Abort(stopped))
                 for out in outputs:
@@ -242,7 +234,7 @@ class AsyncMPLLM(AsyncFrontend):
             hand_out(self._streams, outputs, self.listener)
         elif isinstance(msg, m.Reject):
             with self._lock:
-                self._output.abort(msg.request_id)
+                self.frontend.abort(msg.request_id)
                 self._forget(msg.request_id)
             error = {"invalid": ValueError, "full": EngineOverloadedError}.get(msg.kind)
             self._finish(
@@ -255,7 +247,7 @@ class AsyncMPLLM(AsyncFrontend):
             self._last_error = self._which(core) + f"engine step failed ({msg.error_kind})"
             with self._lock:
                 for rid in msg.request_ids:
-                    self._output.abort(rid)
+                    self.frontend.abort(rid)
                     self._forget(rid)
             error = EngineStepError("the engine failed while running this request")
             for rid in msg.request_ids:
@@ -281,7 +273,7 @@ class AsyncMPLLM(AsyncFrontend):
             core.pixels = PixelLedger(self._pixel_bytes)  # a new core holds no pixels
             lost = list(core.requests)
             for rid in lost:
-                self._output.abort(rid)
+                self.frontend.abort(rid)
                 self._forget(rid)
         for future in list(self._rpcs.values()):
             if not future.done():
@@ -329,6 +321,6 @@ class AsyncMPLLM(AsyncFrontend):
         return sum(c.restarts for c in self._cores)
 
     @property
-    def client(self) -> CoreClient:
+    def client(self) -> CoreProcess:
         """The first core's client (the only one unless data-parallel)."""
         return self._cores[0].client

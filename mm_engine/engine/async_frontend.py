@@ -35,7 +35,6 @@ from mm_engine.frontend.input_lanes import InputLanes, input_weight
 from mm_engine.frontend.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import RequestOutputKind, SamplingParams
-from mm_engine.vision.image_io import ImageLimits
 
 logger = logging.getLogger("mm_engine.async_llm")
 
@@ -79,10 +78,6 @@ class AsyncFrontend:
         """What turns prompts and images into engine inputs (thread-safe: each thread has its
         own tokenizer); for `run_in_worker` jobs that need it."""
         return self._inputs
-
-    def set_image_limits(self, limits: ImageLimits) -> None:
-        """The limits every image is checked against; set before serving."""
-        self._inputs.limits = limits
 
     async def process_prompt(self, prompt: Any) -> ProcessedInputs:
         """Tokenize and load images of a `generate`-style prompt off the event loop."""

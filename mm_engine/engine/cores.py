@@ -13,14 +13,14 @@ import threading
 from dataclasses import dataclass, field
 
 from mm_engine.core.pixels import PixelLedger
-from mm_engine.engine.process_client import CoreClient
+from mm_engine.engine.process_client import CoreProcess
 from mm_engine.request import ImageSpan
 
 
 @dataclass(eq=False)
 class CoreHandle:
     index: int
-    client: CoreClient
+    client: CoreProcess
     pixels: PixelLedger  # what this core holds of our images
     requests: set[str] = field(default_factory=set)  # live requests routed here
     stats: dict = field(default_factory=dict)

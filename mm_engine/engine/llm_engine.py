@@ -1,71 +1,77 @@
-"""The in-process engine: a frontend (tokenizer, input processing, detokenization) around the
-engine core (model, pools, scheduler), in the caller's thread.
+"""The synchronous engine: a `Frontend` in the caller's thread and an engine core behind an
+`EngineCoreClient`, in this process or in one of its own.
 
-    add_request: inputs.process -> core.add          step: core.step -> output.process -> outputs
+    add_processed: frontend.request -> client.add        step: client.outputs -> frontend -> outputs
 
-`LLM` runs on this; `AsyncLLM` runs it on an engine thread. The core's parts (scheduler, blocks,
-runner, requests, ...) are reachable as attributes of the engine, for callers that inspect them.
+`LLM` runs on this; `AsyncLLM` runs it on an engine thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import time
-from typing import Any
 
 from mm_engine.config import EngineConfig
 from mm_engine.core.engine_core import EngineCore
 from mm_engine.core.faults import StepFailedError
-from mm_engine.core.types import CoreRequest
-from mm_engine.frontend.output_processor import OutputProcessor
-from mm_engine.frontend.setup import PromptIntake, build_frontend
+from mm_engine.engine.core_client import EngineCoreClient, InProcessCore, ProcessCore, RequestRefused
+from mm_engine.frontend.frontend import Frontend
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.outputs import RequestOutput
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
+from mm_engine.vision.image_io import ImageLimits
 
 
-class LLMEngine(PromptIntake):
-    def __init__(self, config: EngineConfig) -> None:
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, *, multiprocess: bool = False, image_limits: ImageLimits | None = None
+    ) -> None:
+        """`multiprocess`: the core in a process of its own (this thread detokenizes one step's
+        outputs while the core computes the next). `image_limits`: what every image is checked
+        against."""
         self.config = config
         path = resolve_model_path(config.model)
-        frontend = build_frontend(config, path, load_config(path))
-        self.tokenizer = frontend.tokenizer  # the detokenizer's (this thread's); inputs have copies
-        self.inputs = frontend.inputs
-        self.eos_token_ids = frontend.eos_token_ids
-        self.max_model_len = frontend.max_model_len
-        self.core = EngineCore(dataclasses.replace(config, model=str(path)), frontend.max_image_tokens)
-        self.output = OutputProcessor(self.tokenizer)
-        self._seq = itertools.count()
+        self.frontend = Frontend(config, path, load_config(path), image_limits)
+        core_config = dataclasses.replace(config, model=str(path))
+        kind = ProcessCore if multiprocess else InProcessCore
+        self.client: EngineCoreClient = kind(core_config, self.frontend.max_image_tokens)
+        self.inputs = self.frontend.inputs
+        self.tokenizer = self.frontend.tokenizer
+        self.max_model_len = self.frontend.max_model_len
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names the engine itself lacks: the core's scheduler, blocks, runner, ...
-        if name == "core":
-            raise AttributeError(name)
-        return getattr(self.core, name)
+    @property
+    def core(self) -> EngineCore:
+        """The engine core itself, where it runs in this process (for tests and tools that look
+        inside it: its scheduler, pools, runner)."""
+        if not isinstance(self.client, InProcessCore):
+            raise AttributeError("the engine core runs in a process of its own")
+        return self.client.core
 
     # ---- requests in -------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt, params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        """A `generate`-style prompt (a string, or a dict with images), processed in this thread."""
+        self.inputs.check_structured_outputs(params)
+        return self.add_processed(*self.inputs.process(prompt), params, request_id, priority)
 
     def add_processed(
         self, text: str | None, ids: list[int], spans: list[ImageSpan], params: SamplingParams,
         request_id: str | None = None, priority: int = 0,
     ) -> str:  # fmt: skip
         """Queue a request whose inputs `self.inputs` already processed (possibly on another thread)."""
-        request_id = self._request_id(request_id)
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        arrival = time.time()
-        self.core.add(CoreRequest(request_id, ids, spans, params, eos, priority, arrival))
-        self.output.add(request_id, text, ids, params, arrival)
-        return request_id
-
-    def check_fits(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
-        """Refuse a request that could never run, before it takes anything."""
-        self.core.check_fits(CoreRequest("probe", ids, spans, params, frozenset()))
+        request = self.frontend.request(text, ids, spans, params, request_id, priority)
+        try:
+            self.client.add(request)
+        except BaseException:
+            self.frontend.abort(request.request_id)
+            raise
+        return request.request_id
 
     def abort(self, request_id: str) -> None:
-        self.core.abort(request_id)
-        self.output.abort(request_id)
+        self.client.abort([request_id])
+        self.frontend.abort(request_id)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -74,25 +80,35 @@ class LLMEngine(PromptIntake):
         its `output_kind` asks).
 
         Raises StepFailedError when the pass fails: the requests it held are dropped (their
-        blocks freed), every other request stays as it was."""
+        blocks freed), every other request stays as it was. A request the core refused raises
+        its error here (a core process answers adds between its steps)."""
         try:
-            core_outputs = self.core.step()
+            core_outputs = self.client.outputs()
         except StepFailedError as exc:
             for rid in exc.request_ids:
-                self.output.abort(rid)
+                self.frontend.abort(rid)
             raise
-        outputs, stopped = self.output.process(core_outputs)
-        for rid in stopped:  # a stop string ended it: the core must not generate more
-            self.core.abort(rid)
+        except RequestRefused as refused:
+            self.frontend.abort(refused.request_id)
+            raise refused.error from None
+        outputs, stopped = self.frontend.process_outputs(core_outputs)
+        if stopped:  # a stop string ended them: the core must not generate more
+            self.client.abort(stopped)
         return outputs
 
     # ---- state -------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.core.has_unfinished()
+        return self.client.has_unfinished()
 
     def kv_report(self) -> dict[str, dict]:
-        return self.core.kv_report()
+        return self.client.kv_report()
 
     def stats(self) -> dict:
-        return self.core.stats()
+        return self.client.stats()
+
+    def platform_info(self) -> dict:
+        return self.client.platform_info()
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,7 +1,7 @@
 """Talking to an engine-core process: one PUSH socket to it, one PULL socket from it (ZMQ over
 ipc:// sockets in a private temporary folder), msgspec messages both ways.
 
-`CoreClient` starts its core and owns it; `AttachedCore` talks to a core that someone else (the
+`CoreProcess` starts its core and owns it; `AttachedCore` talks to a core that someone else (the
 supervisor of several API servers, api/supervisor.py) started, restarts and stops. The process is
 `python -m mm_engine.core.process` (a fresh interpreter: no fork of a process that holds threads
 or a CUDA context), given its settings as JSON on stdin. `send` may be called from any thread;
@@ -40,11 +40,11 @@ def core_config(config: EngineConfig, index: int, count: int) -> EngineConfig:
     return dataclasses.replace(config, data_parallel_rank=index, cpu_threads=threads)
 
 
-def start_cores(config: EngineConfig, max_image_tokens: int, n: int) -> list[CoreClient]:
+def start_cores(config: EngineConfig, max_image_tokens: int, n: int) -> list[CoreProcess]:
     """Start `n` core processes at once (each loads the model) and wait for all."""
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         configs = [core_config(config, i, n) for i in range(n)]
-        futures = [pool.submit(CoreClient, c, max_image_tokens) for c in configs]
+        futures = [pool.submit(CoreProcess, c, max_image_tokens) for c in configs]
         clients, errors = [], []
         for f in futures:
             try:
@@ -97,7 +97,7 @@ class _Link:
         self._ctx.term()
 
 
-class CoreClient(_Link):
+class CoreProcess(_Link):
     def __init__(self, config: EngineConfig, max_image_tokens: int, startup_timeout: float = 600.0) -> None:
         self._dir = tempfile.mkdtemp(prefix="mm-engine-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
@@ -129,9 +129,9 @@ class CoreClient(_Link):
     def exit_message(self) -> str:
         return f"the engine core process exited (code {self.proc.returncode})"
 
-    def restarted(self) -> CoreClient:
+    def restarted(self) -> CoreProcess:
         """A new core in place of this dead one (closed by now)."""
-        return CoreClient(*self._args)
+        return CoreProcess(*self._args)
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, then make sure it has; free the sockets. Idempotent."""

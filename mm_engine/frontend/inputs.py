@@ -26,16 +26,23 @@ class InputProcessor:
         processing: Processing,
         chat_template: str | None,
         limits: ImageLimits | None = None,
+        *,
+        max_prompt_chars: int | None = None,
+        grammars: Grammars | None = None,
+        tool_format: str | None = None,
     ) -> None:
+        """`max_prompt_chars`: longer prompt text is refused before tokenizing; `grammars`:
+        compiles structured-output specs to check them; `tool_format`: how the model writes tool
+        calls (None: it cannot)."""
         self.tokenizer = tokenizer
         self.processing = processing
         self.image_token_id = processing.image_token_id
         self.image_token = processing.image_token
         self.chat_template = chat_template
         self.limits = limits or ImageLimits()
-        self.max_prompt_chars: int | None = None  # set by the engine from max_model_len
-        self.grammars: Grammars | None = None  # set by the frontend: to check structured outputs
-        self.tool_format: str | None = None  # set by the frontend: how the model writes tool calls
+        self.max_prompt_chars = max_prompt_chars
+        self.grammars = grammars
+        self.tool_format = tool_format
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the request's grammar (cached), so a spec that cannot be compiled is refused

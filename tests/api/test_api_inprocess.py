@@ -221,14 +221,14 @@ def test_models_health_metrics_openapi(client):
 def _blocking_forward(engine):
     """Make the engine's steps wait for `release`; `entered` is set once one is waiting."""
     entered, release = threading.Event(), threading.Event()
-    execute = engine.runner.execute
+    execute = engine.core.runner.execute
 
     def blocked(*args, **kwargs):
         entered.set()
         release.wait(60)
         return execute(*args, **kwargs)
 
-    engine.runner.execute = blocked
+    engine.core.runner.execute = blocked
     return entered, release
 
 
@@ -318,7 +318,7 @@ def test_drain_timeout_aborts_what_is_left_and_frees_its_blocks(make_llm):
 
 def test_fault_in_model_forward_fails_requests_with_500_and_health_reports_it(make_llm, ref):
     llm = make_llm()
-    lm = llm.engine.model.language_model
+    lm = llm.engine.core.model.language_model
     calls = {"n": 0}
     forward = lm.forward
 

@@ -55,7 +55,7 @@ def test_a_waiting_request_counts_its_prefix_lookup_once(clip_llama):
     llm = LLM(clip_llama, kv_cache_memory_bytes=4 * 1024**2, max_num_seqs=1)
     image = make_image(3)
     llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, SamplingParams(max_tokens=1))
-    pools = llm.engine.blocks.pools.values()
+    pools = llm.engine.core.blocks.pools.values()
 
     def counts() -> tuple[int, int]:
         return sum(p.queries for p in pools), sum(p.hits for p in pools)
@@ -71,9 +71,9 @@ def test_a_waiting_request_counts_its_prefix_lookup_once(clip_llama):
     while eng.has_unfinished():
         eng.step()
         steps += 1
-    assert steps > 5 and eng.scheduler.num_preemptions == 0  # it really waited
+    assert steps > 5 and eng.core.scheduler.num_preemptions == 0  # it really waited
     n_ids = len(eng.inputs.process({"prompt": PROMPT, "multi_modal_data": {"image": image}})[1])
-    cacheable = (n_ids - 1) // eng.blocks.block_size  # full blocks before the last token
+    cacheable = (n_ids - 1) // eng.core.blocks.block_size  # full blocks before the last token
     new_queries, new_hits = counts()
     assert 0 < new_hits - hits <= cacheable and new_queries - queries <= cacheable + 1
 

@@ -40,7 +40,7 @@ def _params(i: int, **kwargs) -> SamplingParams:
 
 def _record_batches(llm: LLM) -> list:
     """Each step's scheduled (request, tokens) pairs and preempted requests, as the scheduler made them."""
-    sched, seen = llm.engine.scheduler, []
+    sched, seen = llm.engine.core.scheduler, []
     schedule = sched.schedule
 
     def watched(now):
@@ -53,8 +53,8 @@ def _record_batches(llm: LLM) -> list:
 
 
 def _assert_all_free(llm: LLM) -> None:
-    assert all(pool.num_used == 0 for pool in llm.engine.blocks.pools.values())
-    assert not llm.engine.requests and not llm.engine.runner._held
+    assert all(pool.num_used == 0 for pool in llm.engine.core.blocks.pools.values())
+    assert not llm.engine.core.requests and not llm.engine.core.runner._held
 
 
 def _run(llm: LLM, n: int, **kwargs) -> list[tuple[list[int], str]]:
@@ -81,7 +81,7 @@ def test_same_batches_and_tokens_through_preemption(clip_llama, mode, preemption
     plain = _llm(clip_llama, None, **kw)
     plain_batches = _record_batches(plain)
     expected = _run(plain, 8, ignore_eos=True)
-    assert plain.engine.scheduler.num_preemptions > 0
+    assert plain.engine.core.scheduler.num_preemptions > 0
     llm = _llm(clip_llama, mode, **kw)
     batches = _record_batches(llm)
     assert _run(llm, 8, ignore_eos=True) == expected
@@ -123,14 +123,14 @@ def test_aborts_and_stop_strings_while_a_step_is_in_flight(clip_llama, mode):
 
 def _poison(llm: LLM, rid: str) -> None:
     """The forward of any step holding `rid` raises."""
-    forward = llm.engine.runner.forward
+    forward = llm.engine.core.runner.forward
 
     def faulty(inputs, prev_tokens=None):
         if rid in poisoned:
             raise RuntimeError("shape mismatch")
         return forward(inputs, prev_tokens)
 
-    prepare = llm.engine.runner.prepare
+    prepare = llm.engine.core.runner.prepare
     poisoned: set[str] = set()
 
     def watched(items, *rest):
@@ -138,7 +138,7 @@ def _poison(llm: LLM, rid: str) -> None:
         poisoned.update(r.request_id for r, _ in items if r.request_id == rid)
         return prepare(items, *rest)
 
-    llm.engine.runner.prepare, llm.engine.runner.forward = watched, faulty
+    llm.engine.core.runner.prepare, llm.engine.core.runner.forward = watched, faulty
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -71,7 +71,7 @@ def test_measure_on_tiny_checkpoint(clip_llama, one_thread, drain):
 
 
 def test_static_cache_bytes_are_allocated_for_real(clip_llama):
-    cfg = LLM(clip_llama, kv_cache_memory_bytes=1 << 20).engine.hf_config.text_config
+    cfg = LLM(clip_llama, kv_cache_memory_bytes=1 << 20).engine.core.hf_config.text_config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     expected = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 100 * 4
     assert static_cache_bytes(cfg, 100, torch.float32) == expected

@@ -31,7 +31,7 @@ def test_flop_counts_match_torch_flop_counter(fixture, request):
     flops = LlavaFlops.from_config(cfg)
     # Vision: what the engine's own tower and projector run for one image.
     # (FlopCounterMode counts aten matmuls; the packed oneDNN linears are invisible to it.)
-    engine_model = LLM(path, kv_cache_memory_bytes=4 * 1024**2, cpu_packed_weights=False).engine.model
+    engine_model = LLM(path, kv_cache_memory_bytes=4 * 1024**2, cpu_packed_weights=False).engine.core.model
     engine_model.vision_tower.config._attn_implementation = "eager"  # attention as plain matmuls
     size = cfg.vision_config.image_size
     vision = _counted(lambda: engine_model.encode_images(torch.zeros(1, 3, size, size)))

@@ -236,7 +236,7 @@ def test_captioner_streams_with_bounded_lookahead(clip_llama, folder, reference)
         nonlocal taken, most_in_engine
         for p in paths:
             taken += 1
-            most_in_engine = max(most_in_engine, len(llm.engine.requests))
+            most_in_engine = max(most_in_engine, len(llm.engine.core.requests))
             yield CaptionInput(p, p, data=Path(p).read_bytes())
 
     results = 0
@@ -245,7 +245,7 @@ def test_captioner_streams_with_bounded_lookahead(clip_llama, folder, reference)
         assert taken - results <= 4 + 3
         assert rec == reference[rec["id"]]
     assert results == 30 and most_in_engine == 4  # the engine was kept full, and no fuller
-    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert not llm.engine.core.requests and not llm.engine.has_unfinished()
 
 
 def test_a_full_engine_queue_is_waited_out_and_prompts_are_checked(clip_llama, folder, reference):

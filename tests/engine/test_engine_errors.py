@@ -18,8 +18,8 @@ def _assert_nothing_held(llm):
     report = llm.kv_report()
     for pool in ("text", "image"):
         assert report[pool]["used_blocks"] == 0
-    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
-    assert not llm.engine.requests
+    assert not llm.engine.core.scheduler.waiting and not llm.engine.core.scheduler.running
+    assert not llm.engine.core.requests
 
 
 GOOD = {"prompt": "USER: <image> what is this ASSISTANT:", "multi_modal_data": {"image": make_image(1)}}

@@ -22,14 +22,14 @@ PROMPT = "USER: what ASSISTANT:"
 
 def _poison(engine, message: str) -> None:
     """Batches holding request "bad" raise `message` inside the forward."""
-    execute = engine.runner.execute
+    execute = engine.core.runner.execute
 
     def faulty(items, *rest):
         if any(req.request_id == "bad" for req, _ in items):
             raise RuntimeError(message)
         return execute(items, *rest)
 
-    engine.runner.execute = faulty
+    engine.core.runner.execute = faulty
 
 
 async def _run(llm: AsyncLLM, rid: str):
@@ -52,13 +52,13 @@ def test_a_failing_step_drops_only_the_requests_it_held(clip_llama):
     with pytest.raises(StepFailedError) as info:
         engine.step()
     assert info.value.request_ids == ["bad"] and not info.value.device_lost
-    assert "bad" not in engine.requests and "good" in engine.requests
+    assert "bad" not in engine.core.requests and "good" in engine.core.requests
     finals = []
     while engine.has_unfinished():
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["good"]
     assert finals[0].outputs[0].token_ids == expected
-    assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+    assert all(pool.num_used == 0 for pool in engine.core.blocks.pools.values())
 
 
 def test_the_async_engine_fails_the_batch_and_serves_the_rest(clip_llama):

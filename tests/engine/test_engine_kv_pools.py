@@ -41,9 +41,9 @@ def test_image_pool_holds_exactly_the_image_token_blocks(clip_llama, block_size)
     saw_image_blocks = False
     while engine.has_unfinished():
         engine.step()
-        image_pool = engine.blocks.pools[IMAGE]
+        image_pool = engine.core.blocks.pools[IMAGE]
         held = []
-        for req in engine.scheduler.running:
+        for req in engine.core.scheduler.running:
             for block, is_image in zip(req.block_table, _expected_image_blocks(req, block_size), strict=True):
                 assert (block in image_pool) == is_image, (req.request_id, block)
                 held.append(block)
@@ -51,7 +51,7 @@ def test_image_pool_holds_exactly_the_image_token_blocks(clip_llama, block_size)
         held = set(held)
         image_held = {b for b in held if b in image_pool}
         assert image_pool.num_used == len(image_held)
-        assert engine.blocks.pools[TEXT].num_used == len(held) - len(image_held)
+        assert engine.core.blocks.pools[TEXT].num_used == len(held) - len(image_held)
         report = llm.kv_report()
         assert report[IMAGE]["used_blocks"] == len(image_held)
         # Image blocks are full by definition once computed; allocated >= filled everywhere.
@@ -71,7 +71,7 @@ def test_kv_report_counts_slots(clip_llama):
     engine = llm.engine
     engine.add_request(_image_prompt(1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()  # the whole prompt in one chunk, plus the first token sampled
-    req = engine.scheduler.running[0]
+    req = engine.core.scheduler.running[0]
     report = llm.kv_report()
     n = req.num_computed_tokens
     assert report[TEXT]["filled_slots"] + report[IMAGE]["filled_slots"] == n
@@ -93,7 +93,7 @@ def test_preemption_when_a_pool_runs_out_keeps_outputs(clip_llama):
     tight = LLM(clip_llama, kv_cache_memory_bytes=16 * 1024 * 20, block_size=8, image_pool_fraction=0.4)
     outs = tight.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
     report = tight.kv_report()
     assert report[TEXT]["used_blocks"] == report[IMAGE]["used_blocks"] == 0
 
@@ -119,7 +119,7 @@ def test_kv_report_counts_a_shared_prefix_block_once(clip_llama):
     engine.step()
     engine.add_request(_image_prompt(1, "describe the"), params)  # same image: reuses its blocks
     engine.step()
-    a, b = engine.scheduler.running
+    a, b = engine.core.scheduler.running
     shared = set(a.block_table) & set(b.block_table)
     assert shared, "the second request reused the first one's prefix blocks"
     report = llm.kv_report()

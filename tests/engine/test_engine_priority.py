@@ -82,7 +82,7 @@ def test_waiting_high_priority_preempts_running_low_priority_in_a_full_batch(cli
     low = [engine.add_request(image_prompt(s), long, priority=5) for s in (1, 2)]
     for _ in range(3):
         engine.step()
-    assert {r.request_id for r in engine.scheduler.running} == set(low)
+    assert {r.request_id for r in engine.core.scheduler.running} == set(low)
     urgent = engine.add_request(
         text_prompt("tell me"), SamplingParams(temperature=0, max_tokens=3), priority=0
     )
@@ -94,7 +94,7 @@ def test_waiting_high_priority_preempts_running_low_priority_in_a_full_batch(cli
         if urgent in outs:
             assert not any(rid in outs for rid in low)  # it finished while the batch was full of others
             break
-    assert engine.scheduler.num_preemptions >= 1
+    assert engine.core.scheduler.num_preemptions >= 1
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
@@ -123,7 +123,7 @@ def test_preemption_modes_do_not_change_outputs(clip_llama, mode):
     )
     outs = tight.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
     report = tight.kv_report()
     if mode == "swap":
         assert report["swap"]["swapped_out_blocks"] > 0
@@ -139,10 +139,10 @@ def test_queue_full_is_refused_clearly_online_and_waited_out_offline(clip_llama)
     engine.add_request(text_prompt("b"), SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError, match="queue full"):
         engine.add_request(text_prompt("c"), SamplingParams(max_tokens=2))
-    assert len(engine.requests) == 2  # the refused one left nothing behind
+    assert len(engine.core.requests) == 2  # the refused one left nothing behind
     while engine.has_unfinished():
         engine.step()
     # LLM.generate is offline: more prompts than the queue holds just wait their turn.
     outs = llm.generate([text_prompt(w) for w in "abcdefg"], SamplingParams(temperature=0, max_tokens=2))
     assert len(outs) == 7 and all(o.finished for o in outs)
-    assert not engine.requests and llm.kv_report()["text"]["used_blocks"] == 0
+    assert not engine.core.requests and llm.kv_report()["text"]["used_blocks"] == 0

@@ -21,19 +21,19 @@ def run_counting(llm: LLM, prompt: dict) -> tuple[list[int], int, int]:
     """(tokens, cached prompt tokens, prompt tokens that this request's prefill computed)."""
     engine = llm.engine
     rid = engine.add_request(prompt, GREEDY)
-    req = engine.requests[rid]
+    req = engine.core.requests[rid]
     computed_prefill = 0
-    schedule = engine.scheduler.schedule
+    schedule = engine.core.scheduler.schedule
     while engine.has_unfinished():
         batch = schedule(time.time())
         for r, n in batch.items:  # what the runner is given to compute: counted, not timed
             if r is req and r.num_computed_tokens < r.num_prompt_tokens:
                 computed_prefill += min(n, r.num_prompt_tokens - r.num_computed_tokens)
-        engine.scheduler.schedule = lambda now, b=batch: b
+        engine.core.scheduler.schedule = lambda now, b=batch: b
         try:
             outs = engine.step()
         finally:
-            engine.scheduler.schedule = schedule
+            engine.core.scheduler.schedule = schedule
         final = [o for o in outs if o.finished]
     return final[0].outputs[0].token_ids, final[0].num_cached_tokens, computed_prefill
 
@@ -43,14 +43,16 @@ def test_second_question_about_the_same_image_reuses_its_kv(clip_llama):
     plain = LLM(clip_llama, kv_cache_memory_bytes=KV, block_size=8, enable_prefix_caching=False)
     first, cached, computed = run_counting(llm, ask(1, "what is this"))
     assert cached == 0
-    encoded = llm.engine.runner.num_encoded_images
+    encoded = llm.engine.core.runner.num_encoded_images
     q2 = ask(1, "what color is the circle")
     second, cached, computed = run_counting(llm, q2)
     n_prompt = len(llm.generate(q2, GREEDY)[0].prompt_token_ids)
     # "USER:" + 16 image tokens: blocks [0, 8) and [8, 16) are shared; the rest is new.
     assert cached == 16
     assert computed == n_prompt - cached
-    assert llm.engine.runner.num_encoded_images == encoded  # the last image token came from the encoder cache
+    assert (
+        llm.engine.core.runner.num_encoded_images == encoded
+    )  # the last image token came from the encoder cache
     assert second == plain.generate(q2, GREEDY)[0].outputs[0].token_ids
     report = llm.kv_report()
     assert report["image"]["prefix_cache_hits"] >= 1 and report["text"]["prefix_cache_hits"] >= 1
@@ -70,9 +72,9 @@ def test_repeated_image_is_encoded_once_while_cached(clip_llama):
     llm = LLM(clip_llama, kv_cache_memory_bytes=KV, enable_prefix_caching=False)
     prompts = [ask(5, q) for q in ("what is this", "how many shapes", "describe this picture")]
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.runner.num_encoded_images == 1
+    assert llm.engine.core.runner.num_encoded_images == 1
     llm.generate(ask(5, "tell me"), GREEDY)
-    assert llm.engine.runner.num_encoded_images == 1
+    assert llm.engine.core.runner.num_encoded_images == 1
     fresh = LLM(clip_llama, kv_cache_memory_bytes=KV, enable_prefix_caching=False, encoder_cache_bytes=1)
     with pytest.raises(ValueError, match="larger than the encoder cache"):
         fresh.generate(ask(5, "tell me"), GREEDY)
@@ -88,11 +90,11 @@ def test_encoder_cache_evicts_least_recently_used(clip_llama):
     )
     for seed in (1, 2, 3):
         llm.generate(ask(seed, "what"), GREEDY)
-    assert llm.engine.runner.num_encoded_images == 3
+    assert llm.engine.core.runner.num_encoded_images == 3
     llm.generate(ask(3, "what"), GREEDY)  # still cached
-    assert llm.engine.runner.num_encoded_images == 3
+    assert llm.engine.core.runner.num_encoded_images == 3
     llm.generate(ask(1, "what"), GREEDY)  # evicted by 3
-    assert llm.engine.runner.num_encoded_images == 4
+    assert llm.engine.core.runner.num_encoded_images == 4
     assert llm.kv_report()["encoder_cache"]["evictions"] >= 1
 
 
@@ -104,10 +106,10 @@ def test_chunk_stops_before_an_image_the_encoder_budget_cannot_take(clip_llama):
         "multi_modal_data": {"image": [make_image(7), make_image(8)]},
     }
     rid = engine.add_request(prompt, GREEDY)
-    req = engine.requests[rid]
+    req = engine.core.requests[rid]
     engine.step()
     assert req.num_computed_tokens == req.images[1].offset  # stopped right before the second image
-    assert engine.runner.num_encoded_images == 1
+    assert engine.core.runner.num_encoded_images == 1
     while engine.has_unfinished():
         outs = engine.step()
     plain = LLM(clip_llama, kv_cache_memory_bytes=KV)
@@ -126,8 +128,8 @@ def test_questions_sent_together_compute_their_shared_image_prefix_once(clip_lla
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     outs = {o.request_id: o for o in engine.step() if o.finished}
     # The first question and the other picture start; the other questions wait for the image blocks.
-    assert {r.request_id for r in engine.scheduler.running} == {ids[0], ids[4]}
-    assert {r.request_id for r in engine.scheduler.waiting} == set(ids[1:4])
+    assert {r.request_id for r in engine.core.scheduler.running} == {ids[0], ids[4]}
+    assert {r.request_id for r in engine.core.scheduler.waiting} == set(ids[1:4])
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     for rid in ids[1:4]:
@@ -135,4 +137,4 @@ def test_questions_sent_together_compute_their_shared_image_prefix_once(clip_lla
     assert outs[ids[0]].num_cached_tokens == 0 and outs[ids[4]].num_cached_tokens == 0
     alone = plain.generate(prompts, GREEDY)
     assert [outs[rid].outputs[0].token_ids for rid in ids] == [o.outputs[0].token_ids for o in alone]
-    assert all(p.num_used == 0 for p in engine.blocks.pools.values())
+    assert all(p.num_used == 0 for p in engine.core.blocks.pools.values())

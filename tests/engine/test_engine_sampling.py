@@ -57,8 +57,8 @@ def test_stop_token_ids_and_eos(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     # Treat the first greedy token as end-of-sequence: ignore_eos decides whether it ends the request.
     engine = llm.engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = frozenset({base.token_ids[0]})
+    saved = engine.frontend.eos_token_ids
+    engine.frontend.eos_token_ids = frozenset({base.token_ids[0]})
     try:
         eos = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
         assert eos.token_ids == base.token_ids[:1] and eos.finish_reason == "stop" and eos.stop_reason is None
@@ -67,7 +67,7 @@ def test_stop_token_ids_and_eos(llm):
         ].outputs[0]
         assert ignored.token_ids == base.token_ids and ignored.finish_reason == "length"
     finally:
-        engine.eos_token_ids = saved
+        engine.frontend.eos_token_ids = saved
 
 
 def test_stop_strings(llm):

@@ -103,7 +103,7 @@ def test_through_the_engine(clip_llama, mode):
     banned = plain.token_ids[0]
     biased = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, logit_bias={banned: -100.0}))
     assert banned not in biased[0].outputs[0].token_ids
-    eos = sorted(llm.engine.eos_token_ids)[0]
+    eos = sorted(llm.engine.frontend.eos_token_ids)[0]
     forced = llm.generate(
         prompt, SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 100.0}, min_tokens=4)
     )

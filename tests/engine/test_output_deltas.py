@@ -62,7 +62,7 @@ def test_one_hand_over_per_step_and_a_slow_consumer_gets_the_rest_merged(clip_ll
         inputs = await llm.process_prompt(PROMPT)
         gen = llm.generate(inputs, _params(kind), request_id=rid)
         outs = [await anext(gen)]
-        while await llm.call(lambda e: rid in e.requests):  # the consumer sleeps; the engine runs
+        while await llm.call(lambda e: rid in e.core.requests):  # the consumer sleeps; the engine runs
             await asyncio.sleep(0.01)
         outs += [out async for out in gen]
         return outs

@@ -33,7 +33,7 @@ def test_n_samples_share_the_prompt_and_each_is_reproducible(clip_llama):
     hits = report["text"]["prefix_cache_hits"] + report["image"]["prefix_cache_hits"]
     assert hits == 3 * prompt_blocks  # every full prompt block computed once, taken by the other three
     assert tail > 0 and report["text"]["partial_block_copies"] == 3  # the partial one copied on write
-    assert fresh.engine.runner.num_encoded_images == 1
+    assert fresh.engine.core.runner.num_encoded_images == 1
     assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
 
 

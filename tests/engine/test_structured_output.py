@@ -74,7 +74,7 @@ def test_every_kind_of_grammar_is_followed(bytelevel, mode):
     ebnf = 'root ::= "count: " [0-9] [0-9]?'
     grammar = llm.generate(prompts[0], _params(2, grammar=ebnf))[0].outputs[0].text
     assert re.fullmatch(r"count: [0-9][0-9]?", grammar)
-    assert all(pool.num_used == 0 for pool in llm.engine.blocks.pools.values())
+    assert all(pool.num_used == 0 for pool in llm.engine.core.blocks.pools.values())
 
 
 def test_the_same_tokens_with_async_scheduling(bytelevel):

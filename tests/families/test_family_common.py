@@ -27,12 +27,12 @@ def test_repeated_image_reuses_prefix_and_is_encoded_once(family):
     for out, (text, imgs) in zip(outs, first, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, 6)
     assert outs[1].num_cached_tokens > 0  # the shared prompt start, image included
-    assert llm.engine.runner.num_encoded_images == 1
+    assert llm.engine.core.runner.num_encoded_images == 1
     # The same picture after different text: no shared prefix, but the encoder cache has it.
     late = family_prompt(name, f"tell me about this photo {llm.engine.inputs.image_token} please")
     out = llm.generate(mm(late, [img]), greedy(6))[0]
     assert out.outputs[0].token_ids == ref.generate(late, [img], 6)
-    assert llm.engine.runner.num_encoded_images == 1
+    assert llm.engine.core.runner.num_encoded_images == 1
     assert_all_free(llm)
 
 

@@ -39,13 +39,13 @@ def gemma(vl_family):
 
 def _watch_chunks(llm) -> list:
     """Record every step's (request, start, tokens) as the runner receives it."""
-    steps, execute = [], llm.engine.runner.execute
+    steps, execute = [], llm.engine.core.runner.execute
 
     def watched(items, *rest):
         steps.append([(req, req.num_computed_tokens, n) for req, n in items])
         return execute(items, *rest)
 
-    llm.engine.runner.execute = watched
+    llm.engine.core.runner.execute = watched
     return steps
 
 
@@ -237,7 +237,7 @@ def test_preemption_recomputes_images_whole(gemma):
     llm = engine(path, "torch", kv_cache_memory_bytes=20 * 16384, image_pool_fraction=0.2)
     batch = BATCH[:2] + BATCH[3:]
     outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch * 2], [greedy(n) for *_, n in batch * 2])
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     for out, (text, imgs, n) in zip(outs, batch * 2, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
 
@@ -254,7 +254,7 @@ def test_two_tensor_parallel_ranks_equal_transformers(gemma):
         outs = llm.generate([mm(p, imgs) for p, imgs, _ in BATCH], [greedy(n) for *_, n in BATCH])
         for out, (text, imgs, n) in zip(outs, BATCH, strict=True):
             assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
-        assert llm.engine.runner.encoder.images_per_rank[1] > 0
+        assert llm.engine.core.runner.encoder.images_per_rank[1] > 0
         assert_all_free(llm)
     finally:
         llm.close()

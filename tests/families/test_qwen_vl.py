@@ -81,7 +81,7 @@ def test_mrope_positions_equal_transformers(family):
         if not imgs:
             continue
         _, ids, spans = llm.engine.inputs.process(mm(text, imgs))
-        mine = llm.engine.model.positions(ids, spans)
+        mine = llm.engine.core.model.positions(ids, spans)
         inputs = ref.inputs(text, imgs)
         want, delta = ref.model.model.get_rope_index(
             inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
@@ -97,7 +97,7 @@ def test_preemption_recomputes_with_the_same_positions(family):
     llm = engine(path, "torch", kv_cache_memory_bytes=24 * 8192, image_pool_fraction=0.3)
     batch = BATCH * 2
     outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch], [greedy(n + 6) for *_, n in batch])
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     for out, (text, imgs, n) in zip(outs, batch, strict=True):
         assert out.outputs[0].token_ids == ref.generate(text, imgs, n + 6), text
     assert_all_free(llm)
@@ -120,7 +120,7 @@ def test_mm_processor_kwargs_per_server_and_per_request(vl_family):
     per_request = llm.generate({**mm(text, [img]), "mm_processor_kwargs": small}, greedy(8))[0]
     assert per_request.prompt_token_ids == want_ids
     assert len(full.prompt_token_ids) > len(want_ids)
-    assert llm.engine.runner.num_encoded_images == 2
+    assert llm.engine.core.runner.num_encoded_images == 2
     with pytest.raises(ValueError, match="unknown mm_processor_kwargs option 'do_resize'"):
         llm.generate({**mm(text, [img]), "mm_processor_kwargs": {"do_resize": False}}, greedy(2))
     with pytest.raises(ValueError, match="min_pixels .* larger than max_pixels"):
@@ -149,4 +149,4 @@ def test_image_limits_are_refused_before_anything_is_allocated(vl_family):
 
 def test_default_image_cap_is_a_quarter_of_max_model_len(vl_family):
     path, _ = vl_family("qwen2_vl")
-    assert engine(path, max_model_len=160).engine.max_image_tokens == 40
+    assert engine(path, max_model_len=160).engine.core.max_image_tokens == 40

@@ -54,7 +54,7 @@ def test_runs_carry_embeddings_only_at_image_tokens_and_pick_pools_by_them(famil
     from mm_engine.request import Request
 
     req = Request("r", ids, spans, greedy(1), 0.0, 0, frozenset())
-    flags = llm.engine.blocks.image_block_flags(req)
+    flags = llm.engine.core.blocks.image_block_flags(req)
     is_embed = [False] * len(ids)
     for span in spans:
         is_embed[span.offset : span.offset + span.length] = span.embed_mask

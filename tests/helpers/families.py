@@ -57,7 +57,7 @@ def run_batch_against(ref, path: str, backend: str, cases: list[tuple[str, list,
     """Run `(prompt, images, max tokens)` cases as one batch on `backend`; every prompt's ids and
     greedy tokens must equal transformers' (`ref`), and every block must be free afterwards."""
     llm = engine(path, backend, **kwargs)
-    assert llm.engine.runner.backend.name == backend
+    assert llm.engine.core.runner.backend.name == backend
     # The reference runs in float32 on the CPU; on a GPU, cuDNN's TF32 convolutions (the patch
     # embeddings) would round differently enough to flip a random model's near-tied tokens.
     tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False

@@ -96,8 +96,8 @@ def test_rotary_in_place_on_the_fused_projection_view_matches_torch(cpu_lib, d):
 def test_the_platform_fills_the_models_ops_and_keeps_its_outputs(siglip_qwen2):
     from mm_engine import LLM
 
-    fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine.model
-    plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine.model
+    fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine.core.model
+    plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine.core.model
     lm_mlps = [m for m in fast.modules() if isinstance(m, MLP)]
     assert lm_mlps and all(isinstance(m.ops, CpuOps) for m in lm_mlps)
     assert all(m.ops is TORCH_OPS for m in plain.modules() if hasattr(m, "ops"))

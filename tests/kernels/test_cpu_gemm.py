@@ -93,8 +93,8 @@ def test_panel_linears_switch_float32_linears_and_copy_tied_weights(cpu_lib):
 def test_engine_runs_the_language_model_on_the_c_gemm_and_the_tower_on_onednn(siglip_qwen2):
     from mm_engine import LLM
 
-    fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine.model
-    plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine.model
+    fast = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine.core.model
+    plain = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2, attention_backend="torch").engine.core.model
     lm_linears = [m for m in fast.language_model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert not lm_linears and isinstance(fast.language_model.lm_head, PanelLinear)
     assert not any(isinstance(m, PanelLinear) for m in fast.vision_tower.modules())
@@ -141,6 +141,6 @@ def test_without_the_kernels_the_platform_is_plain_torch(monkeypatch, siglip_qwe
 
     monkeypatch.setattr(cpu_build, "load", lambda variant=None: None)
     engine = LLM(siglip_qwen2, kv_cache_memory_bytes=4 * 1024**2).engine
-    assert engine.platform.kernels is None and engine.platform.backend.name == "torch"
-    assert not any(isinstance(m, PanelLinear) for m in engine.model.modules())
-    assert "CPU C kernels: none" in engine.platform.summary()
+    assert engine.core.platform.kernels is None and engine.core.platform.backend.name == "torch"
+    assert not any(isinstance(m, PanelLinear) for m in engine.core.model.modules())
+    assert "CPU C kernels: none" in engine.core.platform.summary()

@@ -40,15 +40,17 @@ def test_a_variant_the_cpu_lacks_is_never_loaded(monkeypatch):
     assert cpu_build.load() is not None  # the portable library runs anywhere
     monkeypatch.setenv("MM_ENGINE_CPU_VARIANT", "avx2")
     if "avx2" in cpu_build.VARIANTS:
-        with pytest.raises(ValueError, match="MM_ENGINE_CPU_VARIANT=avx2: this CPU lacks avx, avx2, fma"):
+        with pytest.raises(ValueError, match="cpu_kernel_variant avx2: this CPU lacks avx, avx2, fma"):
             cpu_build.best_variant()
 
 
 def test_overrides_are_checked(monkeypatch):
     monkeypatch.setenv("MM_ENGINE_CPU_VARIANT", "sse9")
-    with pytest.raises(ValueError, match="MM_ENGINE_CPU_VARIANT must be one of"):
+    with pytest.raises(ValueError, match="cpu_kernel_variant must be one of"):
         cpu_build.best_variant()
     monkeypatch.delenv("MM_ENGINE_CPU_VARIANT")
+    with pytest.raises(ValueError, match="cpu_kernel_variant must be one of"):
+        cpu_build.best_variant("sse9")  # the engine argument, checked the same way
     with pytest.raises(ValueError, match=r"unknown CPU kernel\(s\) \['bogus'\]"):
         cpu_kernels.select(kernels="decode,bogus")
     assert cpu_kernels.select(kernels="none") is None

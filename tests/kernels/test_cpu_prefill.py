@@ -123,23 +123,27 @@ def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
     torch.testing.assert_close(out, want)
 
 
-def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enabled(
-    siglip_qwen2, monkeypatch
-):
+def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enabled(siglip_qwen2):
     """By default the measured table decides (SDPA won on every ISA measured so far); with the
     kernel enabled the tower's attention goes through it, and the features are the same."""
     from mm_engine import LLM
+    from mm_engine.models.platform import VISION_ATTENTION
 
     kw = {"kv_cache_memory_bytes": 4 * 1024**2}
-    default = LLM(siglip_qwen2, **kw).engine
-    routed = default.model.vision_tower.config._attn_implementation.startswith("mm_engine")
+    default = LLM(siglip_qwen2, **kw).engine.core
+    routed = default.model.vision_tower.config._attn_implementation == VISION_ATTENTION
     assert routed == default.platform.kernels.uses("vision_attention")
-    monkeypatch.setenv("MM_ENGINE_CPU_KERNELS", "all")
-    fast = LLM(siglip_qwen2, **kw).engine
-    plain = LLM(siglip_qwen2, attention_backend="torch", **kw).engine
-    name = f"mm_engine_{fast.platform.ops.name}"
-    assert fast.model.vision_tower.config._attn_implementation == name
+    fast = LLM(siglip_qwen2, cpu_kernels="all", **kw).engine.core  # the engine argument, not the environment
+    plain = LLM(siglip_qwen2, attention_backend="torch", **kw).engine.core
+    assert fast.model.vision_tower.config._attn_implementation == VISION_ATTENTION
     assert not plain.model.vision_tower.config._attn_implementation.startswith("mm_engine")
+    # each engine's tower modules carry that engine's own function (nothing shared in a global)
+    other = LLM(siglip_qwen2, cpu_kernels="all", **kw).engine.core
+
+    def functions(engine) -> set:
+        return {getattr(m, "mm_engine_attention", None) for m in engine.model.vision_tower.modules()} - {None}
+
+    assert len(functions(fast)) == 1 and functions(fast).isdisjoint(functions(other))
     size = fast.hf_config.vision_config.image_size
     pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
     want = plain.model.encode_images(pixels)

@@ -31,7 +31,7 @@ def test_triton_backend_matches_transformers(siglip_qwen2, ref_siglip_qwen2, mon
         dtype="float32",
         vision_dtype="float32",
     )
-    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.core.runner.backend.name == "triton"
     cases = [
         ("USER: <image> what is this ASSISTANT:", [make_image(1)], 6),
         ("USER: <image> and <image> which is left ASSISTANT:", [make_image(2, (20, 50)), make_image(3)], 5),

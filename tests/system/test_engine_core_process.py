@@ -52,7 +52,7 @@ def test_the_core_process_gives_the_in_process_tokens(clip_llama):
                 a.outputs[0].stop_reason,
             )
         assert mp.engine.stats()["num_preemptions_total"] > 0  # the pools were tight
-        pixels = mp.engine.pixels
+        pixels = mp.engine.client.pixels
         # Image 1 is used three times and crosses once; image 2 once: 2 sent, 2 saved.
         assert pixels.saved_bytes == pixels.sent_bytes > 0
         with pytest.raises(ValueError, match="not a token id of this model"):
@@ -237,7 +237,7 @@ def test_the_core_process_exits_when_its_frontend_is_killed(clip_llama, tmp_path
         "for k in range(64):  # minutes of work: the core is busy when its frontend dies\n"
         "    llm.engine.add_request('USER: what ASSISTANT:', params)\n"
         "llm.engine.step()\n"
-        "print(llm.engine.client.proc.pid, flush=True)\n"
+        "print(llm.engine.client.process.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     frontend = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

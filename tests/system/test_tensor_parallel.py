@@ -46,7 +46,7 @@ def test_llava_tp2_equals_tp1_through_chunks_reuse_and_preemption(clip_llama):
     try:
         assert _tokens(llm, _prompts()) == expected
         # Rank 0 computes with its share of the cores, and the caller's thread keeps its own count.
-        assert llm.engine.runner.threads == max(1, threads // 2)
+        assert llm.engine.core.runner.threads == max(1, threads // 2)
         assert torch.get_num_threads() == threads
         report = llm.kv_report()
         assert report["text"]["preemptions"] + report["image"]["preemptions"] > 0  # tight pools: recompute
@@ -78,7 +78,7 @@ def test_qwen2_vl_tp2_equals_transformers_and_survives_an_abort(vl_family):
         assert (
             list(finals) == ["kept"] and finals["kept"].outputs[0].token_ids == outs[1].outputs[0].token_ids
         )
-        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+        assert all(pool.num_used == 0 for pool in engine.core.blocks.pools.values())
     finally:
         llm.close()
 
@@ -103,7 +103,7 @@ def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama, then):
         engine = llm.engine
         engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
         engine.step()
-        worker = engine.parallel._procs[0]
+        worker = engine.core.parallel._procs[0]
         worker.kill()
         worker.wait()
         if then is not None:
@@ -112,7 +112,7 @@ def test_a_worker_that_dies_stops_the_engine_without_a_hang(clip_llama, then):
             while engine.has_unfinished():
                 engine.step()
         assert info.value.device_lost
-        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+        assert all(pool.num_used == 0 for pool in engine.core.blocks.pools.values())
     finally:
         llm.close()
 
@@ -126,7 +126,7 @@ def test_rank0_failing_inside_a_forward_stops_the_group_at_once(clip_llama):
         engine = llm.engine
         engine.add_request("USER: what is red ASSISTANT:", SamplingParams(max_tokens=50, ignore_eos=True))
         engine.step()
-        mlp = engine.model.language_model.layers[1].mlp
+        mlp = engine.core.model.language_model.layers[1].mlp
 
         def out_of_memory(x):
             raise torch.OutOfMemoryError("no memory for the MLP")
@@ -135,8 +135,8 @@ def test_rank0_failing_inside_a_forward_stops_the_group_at_once(clip_llama):
         with pytest.raises(StepFailedError) as info:
             engine.step()
         assert info.value.device_lost
-        assert all(proc.poll() is not None for proc in engine.parallel._procs)
-        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+        assert all(proc.poll() is not None for proc in engine.core.parallel._procs)
+        assert all(pool.num_used == 0 for pool in engine.core.blocks.pools.values())
     finally:
         llm.close()
 
@@ -180,7 +180,7 @@ def test_the_parallel_path_at_size_one_equals_the_plain_engine(clip_llama, devic
     expected = _tokens(LLM(clip_llama, **kw), _prompts())
     llm = LLM(clip_llama, tensor_parallel_always=True, **kw)
     try:
-        assert llm.engine.parallel is not None and llm.engine.parallel.group.world == 1
+        assert llm.engine.core.parallel is not None and llm.engine.core.parallel.group.world == 1
         assert _tokens(llm, _prompts()) == expected
     finally:
         llm.close()
@@ -209,9 +209,9 @@ def test_async_scheduling_over_the_ranks(clip_llama, mode):
     expected = _tokens(LLM(clip_llama, **kw), _prompts())
     llm = LLM(clip_llama, tensor_parallel_size=2, async_scheduling=True, async_launch=mode, **kw)
     try:
-        assert llm.engine.launcher is not None
+        assert llm.engine.core.launcher is not None
         assert _tokens(llm, _prompts()) == expected
-        assert llm.engine.runner.encoder.images_per_rank == [1, 1]  # an encode beside the launches
+        assert llm.engine.core.runner.encoder.images_per_rank == [1, 1]  # an encode beside the launches
     finally:
         llm.close()
 
@@ -251,6 +251,6 @@ def test_the_families_split_over_two_ranks(vl_family, family):
         outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
         for out, (text, imgs, n) in zip(outs, cases, strict=True):
             assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
-        assert llm.engine.runner.encoder.images_per_rank[1] > 0
+        assert llm.engine.core.runner.encoder.images_per_rank[1] > 0
     finally:
         llm.close()

@@ -55,12 +55,12 @@ def test_llava_images_encoded_over_the_ranks_equal_tp1(clip_llama, mode):
     llm = LLM(clip_llama, tensor_parallel_size=2, mm_encoder_tp_mode=mode, **WIDE)
     try:
         assert _tokens(llm) == expected
-        encoder = llm.engine.runner.encoder
+        encoder = llm.engine.core.runner.encoder
         if mode == "data":  # four distinct images in the first step: two on each rank
             assert isinstance(encoder, DataParallelEncoder) and encoder.images_per_rank == [2, 2]
         else:
             assert not isinstance(encoder, DataParallelEncoder)
-        assert llm.engine.runner.num_encoded_images == 4
+        assert llm.engine.core.runner.num_encoded_images == 4
     finally:
         llm.close()
 
@@ -85,7 +85,7 @@ def test_an_encode_beside_a_launched_forward_takes_its_turn(clip_llama):
         while engine.has_unfinished():
             finals.update({o.request_id: o for o in engine.step() if o.finished})
         assert [list(finals[str(i)].outputs[0].token_ids) for i in range(4)] == expected
-        assert engine.runner.encoder.images_per_rank == [2, 2]
+        assert engine.core.runner.encoder.images_per_rank == [2, 2]
     finally:
         llm.close()
 
@@ -97,7 +97,7 @@ def test_a_share_that_fails_to_encode_fails_its_batch_and_the_ranks_go_on(clip_l
     expected = [list(o.outputs[0].token_ids) for o in LLM(clip_llama, **WIDE).generate(_prompts(), params)]
     llm = LLM(clip_llama, tensor_parallel_size=2, **WIDE)
     try:
-        engine, model = llm.engine, llm.engine.model
+        engine, model = llm.engine, llm.engine.core.model
         encode = model.encode
 
         def fails_once(images):
@@ -109,9 +109,9 @@ def test_a_share_that_fails_to_encode_fails_its_batch_and_the_ranks_go_on(clip_l
         with pytest.raises(StepFailedError) as info:
             engine.step()
         assert not info.value.device_lost and info.value.request_ids == ["doomed"]
-        assert all(pool.num_used == 0 for pool in engine.blocks.pools.values())
+        assert all(pool.num_used == 0 for pool in engine.core.blocks.pools.values())
         outs = llm.generate(_prompts(), params)
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
-        assert engine.runner.encoder.images_per_rank == [1 + 2, 1 + 2]  # the failed step, then the batch
+        assert engine.core.runner.encoder.images_per_rank == [1 + 2, 1 + 2]  # the failed step, then the batch
     finally:
         llm.close()
