@@ -36,53 +36,51 @@ class OverlappedSteps:
         except StepFailedError:
             raise
         except Exception as exc:  # outside the guarded parts (scheduling, settling): fail both steps
-            ids = self._live_ids([*(prev.items if prev else []), *batch.items])
-            self._carry = [o for o in outputs if o.request_id not in ids]
-            raise self._failed(exc, ids) from exc
+            raise self._fail(exc, [*(prev.items if prev else []), *batch.items], outputs) from exc
 
     def _overlapped(self, prev: Launched | None, batch: ScheduledBatch, outputs: list[CoreOutput]):
+        """schedule -> launch this step -> collect the previous one's tokens -> settle this one."""
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
         scheduled = self._schedule()  # into the caller's batch: what fails if anything does
         batch.items, batch.copies = scheduled.items, scheduled.copies
         if any(r.params.prompt_logprobs is not None and r.first_token_time is None for r, _ in batch.items):
-            # Prompt logprobs come from the plain step (its logits have extra rows): no overlap here.
-            if prev is not None:
-                outputs = self._collect_before(prev, batch, outputs)
-            if not batch.items:
-                return outputs
-            try:
-                return outputs + self._run(batch)
-            except Exception as exc:
-                ids = self._live_ids(batch.items)
-                self._carry = [o for o in outputs if o.request_id not in ids]
-                raise self._failed(exc, ids) from exc
+            return self._plain_after(prev, batch, outputs)
         if prev is not None and self._reads_pending(prev, batch):
             # A penalty or a grammar reads the tokens so far: the previous step's come first.
             prev, outputs = None, self._collect_before(prev, batch, outputs)
-        launched, launch_error = None, None
+        launched, error, failed = None, None, batch.items
         if batch.items:
             try:
                 launched = self._launch(batch, prev)
             except Exception as exc:
-                launch_error = exc
-        failed = batch.items
+                error = exc
         if prev is not None:
             try:
                 outputs += self._collect(prev)
-            except Exception as exc:
+            except Exception as exc:  # the previous forward failed: this one ran on its tokens
                 if launched is not None:
                     launched.wait()
                 self._forget_registered(prev)
-                failed, launch_error = [*prev.items, *batch.items], exc
-        if launch_error is not None:
-            ids = self._live_ids(failed)  # not those that ended with the outputs just read
-            self._carry = [o for o in outputs if o.request_id not in ids]  # handed out next step
-            raise self._failed(launch_error, ids) from launch_error
+                failed, error = [*prev.items, *batch.items], exc
+        if error is not None:
+            raise self._fail(error, failed, outputs) from error
         self._inflight = launched
         if launched is not None:
             self._settle(launched)
         return outputs
+
+    def _plain_after(self, prev: Launched | None, batch: ScheduledBatch, outputs: list[CoreOutput]):
+        """Prompt logprobs come from the plain step (its logits have extra rows): the step in
+        flight is read first, then this one runs without overlap."""
+        if prev is not None:
+            outputs = self._collect_before(prev, batch, outputs)
+        if not batch.items:
+            return outputs
+        try:
+            return outputs + self._run(batch)
+        except Exception as exc:
+            raise self._fail(exc, batch.items, outputs) from exc
 
     @staticmethod
     def _reads_pending(prev: Launched, batch: ScheduledBatch) -> bool:
@@ -90,8 +88,13 @@ class OverlappedSteps:
         readers = {req.request_id for req, _ in batch.items if req.params.needs_history}
         return bool(readers) and any(prev.items[k][0].request_id in readers for k in prev.sampling)
 
-    def _live_ids(self, items: list) -> list[str]:
-        return [rid for rid in dict.fromkeys(req.request_id for req, _ in items) if rid in self.requests]
+    def _fail(self, exc: Exception, items: list, outputs: list[CoreOutput]) -> StepFailedError:
+        """The one place a failed overlapped step is accounted for: the requests of `items` still
+        live fail (not those that ended with the outputs just read); the outputs read so far of
+        every other request are handed out with the next step."""
+        ids = [rid for rid in dict.fromkeys(req.request_id for req, _ in items) if rid in self.requests]
+        self._carry = [o for o in outputs if o.request_id not in ids]
+        return self._failed(exc, ids)
 
     def _forget_registered(self, step: Launched) -> None:
         """A step whose forward failed wrote no KV: the blocks it registered for reuse must go."""
@@ -106,9 +109,7 @@ class OverlappedSteps:
             outputs = outputs + self._collect(prev)
         except Exception as exc:
             self._forget_registered(prev)
-            ids = self._live_ids([*prev.items, *batch.items])
-            self._carry = [o for o in outputs if o.request_id not in ids]
-            raise self._failed(exc, ids) from exc
+            raise self._fail(exc, [*prev.items, *batch.items], outputs) from exc
         batch.items = [(req, n) for req, n in batch.items if not req.is_finished]
         return outputs
 
