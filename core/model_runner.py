@@ -56,6 +56,25 @@ class StepInputs:
     block_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (sources, destinations), first
 
 
+@dataclass(slots=True)
+class _StepRows:
+    """One step's inputs on the host, row by row, while `_prepare` walks the batch."""
+
+    ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # each row's KV slot
+    positions: list[int] = field(default_factory=list)  # 1-D rotary positions, one list (cheaper per row)
+    mrope_positions: list[torch.Tensor] = field(default_factory=list)  # [3, n] per request (M-RoPE)
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    sampling: list[int] = field(default_factory=list)  # the batch items they belong to
+    prev_rows: list[int] = field(default_factory=list)  # rows whose id is still on the device
+    prev_src: list[int] = field(default_factory=list)  # its index among the previous step's samples
+    embed_rows: list[torch.Tensor] = field(default_factory=list)  # rows that take vision embeddings
+    embed_feats: list[torch.Tensor] = field(default_factory=list)  # and those, [rows, 1 + deepstack, hidden]
+    bidirectional: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (rows, image lo, hi)
+    extra_rows: list[int] = field(default_factory=list)  # prompt-logprob rows, after the sampled ones
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (item, first position, count)
+
+
 class Peers(Protocol):
     """The other tensor-parallel ranks, as rank 0's runner sees them (parallel/executor.py)."""
 
@@ -125,106 +144,101 @@ class ModelRunner:
         self, items: list[tuple[Request, int]], pending: dict[str, int] | None, copies: list[tuple[int, int]]
     ) -> StepInputs:
         self._encode_images(items)
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[int] = []
-        bidirectional: list[tuple[torch.Tensor, int, int]] = []  # (flat rows, image's lo, hi)
-        embed_rows: list[torch.Tensor] = []  # flat rows that take vision embeddings
-        embed_feats: list[torch.Tensor] = []  # and those embeddings, [rows, 1 + deepstack, hidden]
-        sample_rows: list[int] = []
-        sampling: list[int] = []
-        mrope = self.model.uses_mrope
-        flat_positions: list[int] = []  # 1-D rotary positions, built as one list (cheaper per row)
-        prev_rows: list[int] = []
-        prev_src: list[int] = []
-        extra_rows: list[int] = []
-        prompt_rows: list[tuple[int, int, int]] = []
+        rows = _StepRows()
         for k, (req, n) in enumerate(items):
-            start, end, row0 = req.num_computed_tokens, req.num_computed_tokens + n, len(ids)
-            table = req.block_table
-            if n == 1:  # a decode: the common case, without ranges or slices
-                ids.append(req.token_ids[start])
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids.extend(req.token_ids[start:end])
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if ids[-1] == PLACEHOLDER:  # only ever a request's last token
-                prev_rows.append(len(ids) - 1)
-                prev_src.append(pending[req.request_id])
-            if mrope:
-                positions.append(self._positions(req, start, end))
-            elif n == 1:
-                flat_positions.append(start)
-            else:
-                flat_positions.extend(range(start, end))
-            if start >= req.num_prompt_tokens:  # past every image
-                if end == req.num_tokens:
-                    sample_rows.append(len(ids) - 1)
-                    sampling.append(k)
-                continue
-            if req.params.prompt_logprobs is not None and req.first_token_time is None:
-                lo, hi = max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1)
-                if lo < hi:  # position p's logits predict prompt token p + 1
-                    extra_rows.extend(range(row0 + lo - start, row0 + hi - start))
-                    prompt_rows.append((k, lo, hi - lo))
-            for j, span in enumerate(req.images):
-                a, b = max(start, span.offset), min(end, span.offset + span.length)
-                if a < b:
-                    rows, first = _embed_rows(span, a - span.offset, b - span.offset)
-                    feats = self._held[req.request_id][j][first : first + rows.numel()]
-                    embed_rows.append(rows + (row0 + span.offset - start))
-                    embed_feats.append(feats)
-                    if self.model.bidirectional_images:
-                        for lo, hi in span.embed_runs():  # one per image (Gemma 3: and per crop)
-                            inside = (rows >= lo - span.offset) & (rows < hi - span.offset)
-                            if bool(inside.any()):
-                                bidirectional.append((embed_rows[-1][inside], lo, hi))
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            row0 = len(rows.ids)
+            self._add_tokens(rows, req, start, end, pending)
+            if start < req.num_prompt_tokens:  # a prompt chunk: its images and prompt logprobs
+                self._add_prompt_rows(rows, k, req, start, end, row0)
             if end == req.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sampling.append(k)
-        meta = self._metadata(items, slots)
-        if bidirectional:
-            meta.bidirectional = self._ranges(len(ids), bidirectional)
+                rows.sample_rows.append(len(rows.ids) - 1)
+                rows.sampling.append(k)
+        inputs = self._tensors(rows, items, copies)
+        self._drop_used_images(items)  # what this step needs is in `inputs.embed_feats` now
+        return inputs
+
+    def _add_tokens(
+        self, rows: _StepRows, req: Request, start: int, end: int, pending: dict[str, int] | None
+    ) -> None:
+        """A request's new tokens: ids, KV slots, positions, and where a placeholder's token comes
+        from. A decode (one token) takes the short path: it is most rows of most steps."""
+        bs, table = self.block_size, req.block_table
+        if end - start == 1:
+            rows.ids.append(req.token_ids[start])
+            rows.slots.append(table[start // bs] * bs + start % bs)
+        else:
+            rows.ids.extend(req.token_ids[start:end])
+            rows.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if rows.ids[-1] == PLACEHOLDER:  # only ever a request's last token
+            rows.prev_rows.append(len(rows.ids) - 1)
+            rows.prev_src.append(pending[req.request_id])
+        if self.model.uses_mrope:
+            rows.mrope_positions.append(self._positions(req, start, end))
+        elif end - start == 1:
+            rows.positions.append(start)
+        else:
+            rows.positions.extend(range(start, end))
+
+    def _add_prompt_rows(
+        self, rows: _StepRows, k: int, req: Request, start: int, end: int, row0: int
+    ) -> None:
+        """A prompt chunk's extra rows: the prompt logprobs it asks for, and the rows its images'
+        features replace (with the runs that attend both ways, for families that ask)."""
+        if req.params.prompt_logprobs is not None and req.first_token_time is None:
+            lo, hi = max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1)
+            if lo < hi:  # position p's logits predict prompt token p + 1
+                rows.extra_rows.extend(range(row0 + lo - start, row0 + hi - start))
+                rows.prompt_rows.append((k, lo, hi - lo))
+        for j, span in enumerate(req.images):
+            a, b = max(start, span.offset), min(end, span.offset + span.length)
+            if a >= b:
+                continue
+            embed, first = _embed_rows(span, a - span.offset, b - span.offset)
+            rows.embed_rows.append(embed + (row0 + span.offset - start))
+            rows.embed_feats.append(self._held[req.request_id][j][first : first + embed.numel()])
+            if self.model.bidirectional_images:
+                for lo, hi in span.embed_runs():  # one per image (Gemma 3: and per crop)
+                    inside = (embed >= lo - span.offset) & (embed < hi - span.offset)
+                    if bool(inside.any()):
+                        rows.bidirectional.append((rows.embed_rows[-1][inside], lo, hi))
+
+    def _tensors(
+        self, rows: _StepRows, items: list[tuple[Request, int]], copies: list[tuple[int, int]]
+    ) -> StepInputs:
+        """The host's rows as the forward's tensors on the device (copies that do not wait)."""
         dev = self.device
-        ids_t = to_device(ids, torch.long, dev)
-        rows = feats = None
-        if embed_rows:
-            rows = to_device(torch.cat(embed_rows), None, dev)
-            feats = torch.cat(embed_feats)
+        meta = self._metadata(items, rows.slots)
+        if rows.bidirectional:
+            meta.bidirectional = self._ranges(len(rows.ids), rows.bidirectional)
+        ids = to_device(rows.ids, torch.long, dev)
+        embed_rows = embed_feats = None
+        if rows.embed_rows:
+            embed_rows = to_device(torch.cat(rows.embed_rows), None, dev)
+            embed_feats = torch.cat(rows.embed_feats)
             # Image-token ids may lie outside the vocabulary; their embeddings are replaced anyway.
             # (Only prompt positions: a generated image-token id is embedded like any other token.)
-            ids_t[rows] = 0
-        pos_t = (
-            to_device(torch.cat(positions, dim=-1), None, dev)
-            if mrope
-            else to_device(flat_positions, torch.long, dev)
-        )
+            ids[embed_rows] = 0
+        if self.model.uses_mrope:
+            positions = to_device(torch.cat(rows.mrope_positions, dim=-1), None, dev)
+        else:
+            positions = to_device(rows.positions, torch.long, dev)
         from_prev = None
-        if prev_rows:
-            from_prev = (to_device(prev_rows, torch.long, dev), to_device(prev_src, torch.long, dev))
-        self._drop_used_images(items)  # what this step needs is in `feats` now
-        logit_rows = (
-            to_device(sample_rows + extra_rows, torch.long, dev) if sample_rows or extra_rows else None
-        )
+        if rows.prev_rows:
+            from_prev = (
+                to_device(rows.prev_rows, torch.long, dev),
+                to_device(rows.prev_src, torch.long, dev),
+            )
+        wanted = rows.sample_rows + rows.extra_rows
         block_copies = None
         if copies:
             src, dst = zip(*copies, strict=True)
             block_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
         return StepInputs(
-            ids_t,
-            pos_t,
-            meta,
-            rows,
-            feats,
-            sample_rows,
-            sampling,
-            from_prev,
-            extra_rows,
-            prompt_rows,
-            logit_rows,
+            ids, positions, meta, embed_rows, embed_feats, rows.sample_rows, rows.sampling, from_prev,
+            rows.extra_rows, rows.prompt_rows, to_device(wanted, torch.long, dev) if wanted else None,
             block_copies,
-        )
+        )  # fmt: skip
 
     def forward(
         self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None
