@@ -65,6 +65,13 @@ async def last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Several requests' outputs as they come, each with its stream's index; the first error is
     raised. Closing it closes every stream (which aborts what still runs)."""
+    if len(streams) == 1:  # the common case: no task, no queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:

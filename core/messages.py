@@ -1,8 +1,9 @@
 """The messages between a frontend and an engine-core process: msgspec Structs, msgpack on the
 wire (never pickle). Tensors cross as dtype, shape and raw bytes.
 
-frontend -> core: Add, Abort, Rpc, Shutdown     core -> frontend: Ready, Outputs, Accepted, Reject,
-                                                                  StepFailed, RpcReply, Dead
+frontend -> core: Add, Abort, Rpc, Shutdown     core -> frontend: Ready, Outputs, Reject, StepFailed,
+                                                                  RpcReply, Dead
+An add the core takes is not answered (its outputs are the answer); one it refuses gets a Reject.
 Image pixels cross once per content hash: the frontend keeps the list of hashes whose pixels the
 core holds for it (core/pixels.py) and sends only the hash for those, and it alone decides when
 the core may drop them (`Add.forget`), so the two never disagree. With several API servers
@@ -88,10 +89,6 @@ class Outputs(msgspec.Struct, tag=True):
     step_seconds: float  # 0 for a heartbeat (no step ran)
 
 
-class Accepted(msgspec.Struct, tag=True):
-    request_id: str
-
-
 class Reject(msgspec.Struct, tag=True):
     request_id: str
     kind: str  # "invalid" (the client's: a 400), "full" (queue full: 429), "error" (ours: 500)
@@ -114,7 +111,7 @@ class Dead(msgspec.Struct, tag=True):
 
 
 ToCore = Add | Abort | Rpc | Shutdown
-FromCore = Ready | Outputs | Accepted | Reject | StepFailed | RpcReply | Dead
+FromCore = Ready | Outputs | Reject | StepFailed | RpcReply | Dead
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

@@ -158,7 +158,6 @@ class CoreProcess:
             )  # fmt: skip
             self.core.add(req)
             self.owner[msg.request_id] = j
-            self.send(m.Accepted(msg.request_id), j)
         except ValueError as exc:  # the client's request cannot run: its message is for the client
             self.send(m.Reject(msg.request_id, "invalid", str(exc)), j)
         except QueueFullError as exc:

@@ -4,9 +4,9 @@ vLLM's `EngineCoreClient`):
     add(CoreRequest)    abort([ids])    outputs() -> one step's CoreOutputs    stats()    close()
 
 `InProcessCore` calls an `EngineCore` in the caller's thread. `ProcessCore` talks to one in a
-process of its own over ZMQ (engine/process_client.py): an add does not wait for the core's
-answer, so a request the core refuses surfaces from the next `outputs()` as `RequestRefused`, and
-one refused for a full waiting queue is kept here and sent again once a step has finished.
+process of its own over ZMQ (engine/process_client.py): an add does not wait for the core (which
+answers only a refusal), so a request the core refuses surfaces from the next `outputs()` as
+`RequestRefused`, and one refused for a full waiting queue is sent again once a step has finished.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class ProcessCore:
         self._stats: dict = self.process.ready.stats
         self._live: set[str] = set()  # added, not finished or aborted
         self._early: list[m.FromCore] = []  # messages that came while waiting for an RPC's answer
-        self._sent: dict[str, m.Add] = {}  # adds the core has not answered yet
+        self._sent: dict[str, m.Add] = {}  # live requests' adds, to send again if refused for a full queue
         self._backlog: list[m.Add] = []  # adds refused for a full queue, to send again
 
     def add(self, request: CoreRequest) -> None:
@@ -96,26 +96,27 @@ class ProcessCore:
 
     def abort(self, request_ids: list[str]) -> None:
         self._live.difference_update(request_ids)
+        for rid in request_ids:
+            self._sent.pop(rid, None)
         self.process.send(m.Abort(list(request_ids)))
 
     def outputs(self) -> list[CoreOutput]:
         """The core's next step (none for a heartbeat or an answer to an add)."""
         msg = self._early.pop(0) if self._early else self._recv()
-        if isinstance(msg, m.Accepted):
-            self._sent.pop(msg.request_id, None)
-            return []
         if isinstance(msg, m.Reject):
             add = self._sent.pop(msg.request_id, None)
             if msg.request_id not in self._live:  # aborted meanwhile: nobody to tell
                 return []
             if msg.kind == "full" and add is not None:
-                self._backlog.append(add)
+                self._backlog.append(add)  # back in `_sent` when it is sent again
                 return []
             self._live.discard(msg.request_id)
             error = ValueError(msg.message) if msg.kind == "invalid" else RuntimeError(msg.message)
             raise RequestRefused(msg.request_id, error)
         if isinstance(msg, m.StepFailed):
             self._live.difference_update(msg.request_ids)
+            for rid in msg.request_ids:
+                self._sent.pop(rid, None)
             raise StepFailedError(msg.request_ids, msg.device_lost)
         if not isinstance(msg, m.Outputs):
             return []
@@ -123,6 +124,7 @@ class ProcessCore:
         for out in msg.outputs:
             if out.finish_reason is not None:
                 self._live.discard(out.request_id)
+                self._sent.pop(out.request_id, None)
         if self._backlog:  # a step ran (or the core idles): its queue may have room again
             for add in self._backlog:
                 if add.request_id in self._live:
