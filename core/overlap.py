@@ -99,9 +99,7 @@ class OverlappedSteps:
     def _forget_registered(self, step: Launched) -> None:
         """A step whose forward failed wrote no KV: the blocks it registered for reuse must go."""
         for req, before in step.registered:
-            for block in req.block_table[before : req.num_registered_blocks]:
-                self.blocks.pool_of(block).forget(block)
-            req.num_registered_blocks = min(req.num_registered_blocks, before)
+            self.blocks.uncommit(req, before)
 
     def _collect_before(self, prev: Launched, batch: ScheduledBatch, outputs: list[CoreOutput]):
         """Read the step in flight before this one launches; drop the requests it ended."""

@@ -232,6 +232,13 @@ class BlockManager:
         pending = self.pending_prompt_hashes(req)
         return pending[0] if pending else None
 
+    def uncommit(self, req: Any, before: int) -> None:
+        """Undo a `commit` whose blocks were never written (their forward failed): the blocks it
+        registered from `before` on are no longer offered for reuse."""
+        for block in req.block_table[before : req.num_registered_blocks]:
+            self.pool_of(block).forget(block)
+        req.num_registered_blocks = min(req.num_registered_blocks, before)
+
     def commit(self, req: Any) -> None:
         """After a step: register the blocks that have just become full, so others can reuse them."""
         if not self.enable_prefix_caching:
