@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,8 +39,7 @@ from mm_engine.api.schemas import Usage, sum_usage, usage_of
 from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
 from mm_engine.api.tools import ToolPlan, delta_calls, message_calls, plan_tools
 from mm_engine.outputs import CompletionOutput, Logprob, RequestOutput
-
-_IMAGE_INDEX = re.compile(r"^image (\d+)\b")
+from mm_engine.vision.image_io import ImageError
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
@@ -131,8 +129,7 @@ async def create_chat_completion(
     try:
         inputs = await ctx.llm.process_chat(messages, tools.tools)
     except ValueError as exc:
-        match = _IMAGE_INDEX.match(str(exc))
-        k = int(match.group(1)) if match else -1
+        k = exc.index if isinstance(exc, ImageError) and exc.index is not None else -1
         param = where[k] if 0 <= k < len(where) else "messages"
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
     param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"

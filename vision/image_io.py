@@ -19,7 +19,12 @@ from PIL import Image, ImageFile, ImageOps
 
 
 class ImageError(ValueError):
-    """An image is missing, malformed, too large, too small or of a format that is not allowed."""
+    """An image is missing, malformed, too large, too small or of a format that is not allowed.
+    `index`: which of a request's images, where one request has several (None: not said)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass(slots=True)

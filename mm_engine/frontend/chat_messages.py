@@ -8,6 +8,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from mm_engine.vision.image_io import ImageError
+
 
 def to_template_messages(messages: Any) -> tuple[list[dict], list[str]]:
     """The messages for the chat template, and the data URLs of their images in order. An
@@ -55,10 +57,8 @@ def to_template_messages(messages: Any) -> tuple[list[dict], list[str]]:
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, Mapping) else url
                 if not isinstance(url, str) or not url.startswith("data:"):
-                    raise ValueError(
-                        f"image {len(images)}: image_url must be a data: URL here "
-                        "(remote images are not fetched)"
-                    )
+                    message = "image_url must be a data: URL here (remote images are not fetched)"
+                    raise ImageError(f"image {len(images)}: {message}", len(images))
                 images.append(url)  # decoded with the others, so that an error names it
                 parts.append({"type": "image"})
             else:

@@ -16,7 +16,7 @@ from mm_engine.frontend.chat_messages import text_chars, to_template_messages
 from mm_engine.models.interface import Processing
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
-from mm_engine.vision.image_io import ImageLimits, decode_data_url, load_image
+from mm_engine.vision.image_io import ImageError, ImageLimits, decode_data_url, load_image
 
 
 class InputProcessor:
@@ -130,17 +130,17 @@ class InputProcessor:
                 try:
                     out.append(self.processing.process(pil, overrides))
                 except ValueError as exc:
-                    raise ValueError(f"image {index}: {exc}") from None
+                    raise ImageError(f"image {index}: {exc}", index) from None
             return out
         return self.processing.process_images(pils, overrides)
 
     def _load(self, image: Any, index: int) -> PIL.Image.Image:
         if isinstance(image, str) and not image.startswith("data:"):
-            raise ValueError(f"image {index}: a string image must be a data: URL")
+            raise ImageError(f"image {index}: a string image must be a data: URL", index)
         try:
             return load_image(decode_data_url(image) if isinstance(image, str) else image, self.limits)
         except ValueError as exc:
-            raise type(exc)(f"image {index}: {exc}") from None
+            raise ImageError(f"image {index}: {exc}", index) from None
 
     def chat(
         self,
