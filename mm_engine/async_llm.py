@@ -10,27 +10,24 @@ on the event loop and never on the engine thread; small inputs have workers of t
 aborted, which frees its blocks at once. A step that fails fails the requests it held with
 `EngineStepError` (their blocks are freed) and is recorded for the health check; the loop keeps
 serving the others. A device fault (a CUDA error) stops the loop: every request gets
-`EngineDeadError` and `/health` says "dead" and why. The API side is async_frontend.py.
+`EngineDeadError` and `/health` says "dead" and why. The request side is
+mm_engine/engine/async_engine.py, the engine thread mm_engine/engine/engine_thread.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from mm_engine.config import EngineConfig
-from mm_engine.engine.async_frontend import AsyncFrontend
+from mm_engine.engine.async_engine import AsyncEngine
 from mm_engine.engine.async_types import ModelInfo, StatsListener
-from mm_engine.engine.engine_loop import Command, EngineLoop
+from mm_engine.engine.engine_thread import EngineThread
 from mm_engine.engine.llm_engine import LLMEngine
 from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
 
 
-class AsyncLLM(AsyncFrontend, EngineLoop):
+class AsyncLLM(AsyncEngine):
     def __init__(
         self,
         engine: LLMEngine,
@@ -41,17 +38,18 @@ class AsyncLLM(AsyncFrontend, EngineLoop):
         listener: StatsListener | None = None,
     ) -> None:
         self.engine = engine
-        info = ModelInfo(engine.max_model_len, engine.config.max_num_seqs, engine.inputs.tool_format)
-        self._init_frontend(
-            engine.inputs, info,
-            engine.config.max_waiting_requests, engine.stats(), engine.platform_info(),
-            input_workers, light_input_bytes, stall_timeout, listener,
-        )  # fmt: skip
-        self._inbox: collections.deque[Command] = collections.deque()
-        self._cond = threading.Condition()
-        self._closed = False  # set by the engine thread as it exits; guarded by `_cond`
-        self._thread = threading.Thread(target=self._run, name="mm-engine-loop", daemon=True)
-        self._thread.start()
+        super().__init__(
+            engine.inputs,
+            ModelInfo(engine.max_model_len, engine.config.max_num_seqs, engine.inputs.tool_format),
+            lambda shared: EngineThread(engine, shared),
+            max_waiting=engine.config.max_waiting_requests,
+            stats=engine.stats(),
+            platform=engine.platform_info(),
+            input_workers=input_workers,
+            light_input_bytes=light_input_bytes,
+            stall_timeout=stall_timeout,
+            listener=listener,
+        )
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLM:
@@ -63,9 +61,5 @@ class AsyncLLM(AsyncFrontend, EngineLoop):
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (after every command sent before)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(Command("call", args=(fn,), future=future))
-        return await asyncio.wrap_future(future)
-
-    async def kv_report(self) -> dict[str, dict]:
-        return await self.call(lambda engine: engine.kv_report())
+        thread: EngineThread = self._driver  # type: ignore[assignment]
+        return await thread.call(fn)

@@ -1,46 +1,17 @@
-"""`AsyncMPLLM`: the async engine with its core in processes of their own, one or several.
-
-    event loops ── route, add/abort (under a lock) ──> CoreProcess.send ──ZMQ──> engine-core process
-    collectors <── hand_out ── a reader thread per core: recv, detokenize, stop strings <──ZMQ──
-
-This process keeps what needs the tokenizer or talks to clients: input processing (worker
-threads), detokenization and stop strings (the reader threads), streaming. A core process only
-steps. With `data_parallel_size` N there are N cores, each with the whole model and its own pools
-(routing: mm_engine/engine/cores.py). If a core dies, its running requests fail with EngineDeadError, the
-others go on serving, and it is restarted (at most `max_restarts` times; `restart=False` leaves it
-down); while no core is up, new requests get 503. `/health` says why.
-
-With `attach` (one of several API servers, api/supervisor.py) the cores are someone else's: this
-frontend talks to each over a socket pair of its own, tags what it sends with `frontend_index`,
-never stops them, and after a core dies waits for the supervisor's new one to say Ready.
-"""
+"""`AsyncMPLLM`: the async engine with its core in processes of their own, one or several
+(`data_parallel_size`), driven by reader threads (core_processes.py). The request side is the
+same as `AsyncLLM`'s (async_engine.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
-import itertools
-import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from mm_engine.config import EngineConfig
-from mm_engine.core import messages as m
-from mm_engine.core.pixels import PixelLedger, add_message
-from mm_engine.engine.async_frontend import AsyncFrontend
-from mm_engine.engine.async_types import (
-    EngineDeadError,
-    EngineError,
-    EngineOverloadedError,
-    EngineStepError,
-    ModelInfo,
-    StatsListener,
-)
-from mm_engine.engine.cores import CoreHandle, route
-from mm_engine.engine.engine_loop import Command, Stream, hand_out
+from mm_engine.engine.async_engine import AsyncEngine
+from mm_engine.engine.async_types import ModelInfo, StatsListener
+from mm_engine.engine.core_processes import CoreProcesses
 from mm_engine.engine.process_client import AttachedCore, CoreProcess, start_cores
 from mm_engine.engine.stats import sum_stats
 from mm_engine.frontend.frontend import Frontend
@@ -48,10 +19,8 @@ from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.vision.image_io import ImageLimits
 
-logger = logging.getLogger("mm_engine.async_llm")
 
-
-class AsyncMPLLM(AsyncFrontend):
+class AsyncMPLLM(AsyncEngine):
     def __init__(
         self,
         config: EngineConfig,
@@ -71,256 +40,65 @@ class AsyncMPLLM(AsyncFrontend):
     ) -> None:
         """`on_dead`: called (on a reader thread) once every core is down for good.
         `affinity_slack`: how much busier than the least loaded core an image's core may be and
-        still get it (default: a quarter of max_num_seqs, at least 2)."""
+        still get it (default: a quarter of max_num_seqs, at least 2). `attach`: the socket pairs
+        of cores someone else started (one of several API servers), `frontend_index` this
+        server's index among them."""
         if attach is not None:
             data_parallel_size = len(attach)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         path = resolve_model_path(config.model)
-        # The reader threads take turns with its output processor under `_lock`.
-        self.frontend = frontend = Frontend(config, path, load_config(path), image_limits)
-        self._core_config = dataclasses.replace(config, model=str(path))
-        self._max_image_tokens = frontend.max_image_tokens
-        self.restart, self.max_restarts, self.on_dead = restart, max_restarts, on_dead
-        self._attached, self.frontend_index = attach is not None, frontend_index
-        clients = (
-            [AttachedCore(*p) for p in attach]
+        self.frontend = Frontend(config, path, load_config(path), image_limits)
+        core_config = dataclasses.replace(config, model=str(path))
+        clients: list[CoreProcess | AttachedCore] = (
+            [AttachedCore(*pair) for pair in attach]
             if attach
-            else start_cores(self._core_config, self._max_image_tokens, data_parallel_size)
+            else start_cores(core_config, self.frontend.max_image_tokens, data_parallel_size)
         )
-        self._pixel_bytes = config.ipc_pixel_cache_bytes
-        self._cores = [
-            CoreHandle(i, c, PixelLedger(self._pixel_bytes), stats=c.ready.stats)
-            for i, c in enumerate(clients)
-        ]
         ready = clients[0].ready
-        self.affinity_slack = max(2, ready.max_num_seqs // 4) if affinity_slack is None else affinity_slack
-        self._init_frontend(
-            frontend.inputs, ModelInfo(ready.max_model_len, ready.max_num_seqs, frontend.inputs.tool_format),
-            ready.max_waiting_requests * data_parallel_size, sum_stats([c.stats for c in self._cores]),
-            ready.platform, input_workers, light_input_bytes, stall_timeout, listener,
+        slack = max(2, ready.max_num_seqs // 4) if affinity_slack is None else affinity_slack
+        driver = lambda shared: CoreProcesses(  # noqa: E731
+            clients, self.frontend, shared,
+            pixel_bytes=config.ipc_pixel_cache_bytes, affinity_slack=slack, restart=restart,
+            max_restarts=max_restarts, on_dead=on_dead, attached=attach is not None,
+            frontend_index=frontend_index,
         )  # fmt: skip
-        self._lock = threading.Lock()  # the output processor, the ledgers, the routing, the sends
-        self._where: dict[str, CoreHandle] = {}  # request id -> its core
-        self._rpcs: dict[int, concurrent.futures.Future] = {}
-        self._call_ids = itertools.count()
-        self._stopping = False
-        for core in self._cores:
-            core.thread = threading.Thread(
-                target=self._run, args=(core,), name=f"mm-core-{core.index}", daemon=True
-            )
-            core.thread.start()
+        super().__init__(
+            self.frontend.inputs,
+            ModelInfo(ready.max_model_len, ready.max_num_seqs, self.frontend.inputs.tool_format),
+            driver,
+            max_waiting=ready.max_waiting_requests * data_parallel_size,
+            stats=sum_stats([c.ready.stats for c in clients]),
+            platform=ready.platform,
+            input_workers=input_workers,
+            light_input_bytes=light_input_bytes,
+            stall_timeout=stall_timeout,
+            listener=listener,
+        )
+        self.cores: CoreProcesses = self._driver  # type: ignore[assignment]
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs: Any) -> AsyncMPLLM:
         own = {k: kwargs.pop(k) for k in list(kwargs) if k not in EngineConfig.__dataclass_fields__}
         return cls(EngineConfig.from_kwargs(model, **kwargs), **own)
 
-    # ---- event-loop side ---------------------------------------------------------------------
-
-    def _send(self, cmd: Command) -> None:
-        stream = self._streams.get(cmd.request_id) if cmd.kind == "add" else cmd.stream
-        if cmd.kind == "add":
-            inputs, params, priority = cmd.args
-            with self._lock:
-                core = route(self._cores, inputs.spans, self.affinity_slack)
-                if core is None:
-                    self._finish(stream, EngineDeadError("the engine is not running"))
-                    return
-                request = self.frontend.request(
-                    inputs.text, inputs.token_ids, inputs.spans, params, cmd.request_id, priority
-                )
-                core.requests.add(cmd.request_id)
-                self._where[cmd.request_id] = core
-                core.client.send(add_message(request, core.pixels, self.frontend_index))
-            stream.in_engine = True
-        elif cmd.kind == "abort":
-            with self._lock:
-                self.frontend.abort(cmd.request_id)
-                core = self._where.pop(cmd.request_id, None)
-                if core is not None:
-                    core.requests.discard(cmd.request_id)
-                    if not core.down:
-                        core.client.send(m.Abort([cmd.request_id]))
-            if stream is not None and not stream.finished:
-                if stream.in_engine and self.listener is not None:
-                    self.listener.on_aborted(stream.modality)
-                self._finish(stream, cmd.error)
-        elif cmd.kind == "stop":
-            with self._lock:
-                self._stopping = True
-                for core in self._cores:
-                    if core.client.alive and not self._attached:  # attached cores are not ours to stop
-                        core.client.send(m.Shutdown())
-
-    async def kv_report(self) -> dict[str, dict]:
-        """The first live core's report (each core has its own pools); `kv_reports` for all."""
-        return (await self.kv_reports())[0]
-
     async def kv_reports(self) -> list[dict[str, dict]]:
-        futures = []
-        with self._lock:
-            for core in self._cores:
-                if core.down:
-                    continue
-                call_id = next(self._call_ids)
-                futures.append(self._rpcs.setdefault(call_id, concurrent.futures.Future()))
-                core.client.send(m.Rpc(call_id, "kv_report", self.frontend_index))
-        if not futures:
-            raise EngineDeadError("the engine is not running")
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-
-    def stats(self) -> dict:
-        """Summed over the cores, with each core's own under "per_core"."""
-        return self._stats
+        """Each core's KV report (each has its own pools); `kv_report` is the first live one's."""
+        return await self.cores.kv_reports()
 
     def core_of(self, request_id: str) -> int | None:
         """Which core a live request runs on."""
-        core = self._where.get(request_id)
-        return None if core is None else core.index
-
-    def _alive(self) -> bool:
-        return any(c.thread is not None and c.thread.is_alive() for c in self._cores)
-
-    def _join(self) -> None:
-        for core in self._cores:
-            if core.thread is not None:
-                core.thread.join()
-
-    @staticmethod
-    def _finish(stream: Stream | None, error: BaseException | None) -> None:
-        if stream is not None and not stream.finished:
-            stream.finished = True
-            if error is not None:
-                stream.put(error)
-
-    # ---- reader threads ----------------------------------------------------------------------
-
-    def _run(self, core: CoreHandle) -> None:
-        while True:
-            msg = core.client.recv(0.25)
-            if msg is None:
-                if core.client.alive and not (self._stopping and self._attached):
-                    continue
-                msg = m.Dead(core.client.exit_message())
-            self._heartbeat = time.monotonic()
-            if isinstance(msg, m.Dead):
-                if not self._core_died(core, msg.reason):
-                    break
-            else:
-                self._handle(core, msg)
-        with self._lock:
-            core.client.close()
-            core.gone = True
-            everyone_gone = all(c.gone for c in self._cores)
-        if everyone_gone and self.on_dead is not None and not self._stopping:
-            self.on_dead()
-
-    def _handle(self, core: CoreHandle, msg: m.FromCore) -> None:
-        if isinstance(msg, m.Outputs):
-            core.stats = msg.stats
-            self._stats = sum_stats([c.stats for c in self._cores])
-            if msg.step_seconds and self.listener is not None:
-                self.listener.on_step(msg.step_seconds, len(msg.outputs), msg.stats)
-            with self._lock:
-                outputs, stopped = self.frontend.process_outputs(msg.outputs)
-                if stopped:  # stop strings ended them: the core must not generate more
-                    core.client.send(m.Abort(stopped))
-                for out in outputs:
-                    if out.finished:
-                        self._forget(out.request_id)
-            if msg.step_seconds:
-                self._last_step_failed = False
-            hand_out(self._streams, outputs, self.listener)
-        elif isinstance(msg, m.Reject):
-            with self._lock:
-                self.frontend.abort(msg.request_id)
-                self._forget(msg.request_id)
-            error = {"invalid": ValueError, "full": EngineOverloadedError}.get(msg.kind)
-            self._finish(
-                self._streams.get(msg.request_id),
-                error(msg.message) if error else EngineError("the engine could not accept the request"),
-            )
-        elif isinstance(msg, m.StepFailed):
-            self._faults += 1
-            self._last_step_failed = True
-            self._last_error = self._which(core) + f"engine step failed ({msg.error_kind})"
-            with self._lock:
-                for rid in msg.request_ids:
-                    self.frontend.abort(rid)
-                    self._forget(rid)
-            error = EngineStepError("the engine failed while running this request")
-            for rid in msg.request_ids:
-                self._finish(self._streams.get(rid), error)
-        elif isinstance(msg, m.RpcReply):
-            future = self._rpcs.pop(msg.call_id, None)
-            if future is not None:
-                future.set_result(msg.result)
-
-    def _forget(self, request_id: str) -> None:
-        core = self._where.pop(request_id, None)
-        if core is not None:
-            core.requests.discard(request_id)
-
-    def _which(self, core: CoreHandle) -> str:
-        return f"core {core.index}: " if len(self._cores) > 1 else ""
-
-    def _core_died(self, core: CoreHandle, reason: str) -> bool:
-        """Fail what ran on `core`; restart it if allowed. Returns whether to go on reading."""
-        with self._lock:
-            core.down = True
-            self._dead = all(c.down for c in self._cores)  # 503 once no core is up
-            core.pixels = PixelLedger(self._pixel_bytes)  # a new core holds no pixels
-            lost = list(core.requests)
-            for rid in lost:
-                self.frontend.abort(rid)
-                self._forget(rid)
-        for future in list(self._rpcs.values()):
-            if not future.done():
-                future.set_exception(EngineDeadError("the engine core stopped"))
-        self._rpcs.clear()
-        for rid in lost:
-            self._finish(
-                self._streams.get(rid), EngineDeadError("the engine core stopped while running this request")
-            )
-        if self._stopping:
-            return False
-        self._faults += 1
-        self._last_error = self._which(core) + reason
-        logger.error("engine core %d died: %s", core.index, reason)
-        # An attached core is its supervisor's to restart (or to give up on: then it stops us).
-        if not self._attached and (not self.restart or core.restarts >= self.max_restarts):
-            return False
-        core.restarts += 1
-        with self._lock:
-            old = core.client
-            if not self._attached:  # an attached link stays: the new core connects to it
-                old.close(timeout=2.0)
-        try:
-            client = old.restarted()
-        except Exception as exc:
-            self._last_error = self._which(core) + f"{reason}; restarting it failed ({type(exc).__name__})"
-            return False
-        logger.warning(
-            "engine core %d restarted (%d of at most %d)", core.index, core.restarts, self.max_restarts
-        )
-        with self._lock:
-            if self._stopping:  # shut down while it restarted: it must not outlive us
-                client.close()
-                return False
-            core.client = client
-            self._last_error = (
-                self._which(core) + f"{reason}; restarted ({core.restarts} of {self.max_restarts})"
-            )
-            core.down = False
-            self._dead = False
-        return True
+        return self.cores.core_of(request_id)
 
     @property
     def restarts(self) -> int:
-        return sum(c.restarts for c in self._cores)
+        return self.cores.restarts
 
     @property
     def client(self) -> CoreProcess:
-        """The first core's client (the only one unless data-parallel)."""
-        return self._cores[0].client
+        """The first core's process (the only one unless data-parallel)."""
+        return self.cores.client
+
+    @property
+    def affinity_slack(self) -> int:
+        return self.cores.affinity_slack

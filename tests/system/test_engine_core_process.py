@@ -206,7 +206,7 @@ def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_l
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 metrics = (await client.get("/metrics")).text
             # Core 1 dies: a request on core 0 still runs; new ones go to core 0 meanwhile.
-            llm._cores[1].client.proc.kill()
+            llm.cores._cores[1].client.proc.kill()
             after = await run(prompts[2], "after")
             return placed, got, stats, after, metrics
         finally:

@@ -1,13 +1,13 @@
 """What every asynchronous engine offers the HTTP layer, whichever side runs the engine core.
 
-    AsyncLLM     the core on a thread of this process (engine_loop.py)
-    AsyncMPLLM   the core in a process of its own (mm_engine/engine/async_client.py)
+    AsyncLLM     the core on an engine thread of this process (driver: engine_thread.py)
+    AsyncMPLLM   the core in processes of their own (driver: core_processes.py)
 
 Both take requests from any number of event loops: `process_prompt` / `process_chat` turn inputs
 into token ids and pixels in worker threads, `generate` yields a request's outputs as its
 `output_kind` asks, `abort` drops it (so does closing the iterator), `health` says whether the
-engine makes progress, `drain` and `shutdown` end it. A subclass provides `_send(Command)`, the
-thread `_thread` that serves it, and `kv_report`.
+engine makes progress, `drain` and `shutdown` end it. The driver is a component given the shared
+streams and vitals (streams.py); it takes `Command`s and runs the core(s).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from mm_engine.engine.async_types import (
     EngineDeadError,
@@ -29,8 +29,8 @@ from mm_engine.engine.async_types import (
     ProcessedInputs,
     StatsListener,
 )
-from mm_engine.engine.engine_loop import Command, Stream
 from mm_engine.engine.output_collector import OutputCollector
+from mm_engine.engine.streams import Command, Shared, Stream, Vitals
 from mm_engine.frontend.input_lanes import InputLanes, input_weight
 from mm_engine.frontend.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
@@ -39,13 +39,32 @@ from mm_engine.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("mm_engine.async_llm")
 
 
-class AsyncFrontend:
-    _thread: Any  # the thread that serves `_send` (the subclass's, or its mixin's); set by it
+class Driver(Protocol):
+    """What runs the core(s) behind an `AsyncEngine`: an engine thread, or core processes."""
 
-    def _init_frontend(
-        self, inputs: InputProcessor, model_info: ModelInfo, max_waiting: int, stats: dict, platform: dict,
-        input_workers: int, light_input_bytes: int, stall_timeout: float, listener: StatsListener | None,
-    ) -> None:  # fmt: skip
+    def send(self, cmd: Command) -> None: ...
+    async def kv_report(self) -> dict[str, dict]: ...
+    def alive(self) -> bool: ...
+    def join(self) -> None: ...
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        inputs: InputProcessor,
+        model_info: ModelInfo,
+        make_driver: Callable[[Shared], Driver],
+        *,
+        max_waiting: int,
+        stats: dict,
+        platform: dict,
+        input_workers: int,
+        light_input_bytes: int,
+        stall_timeout: float,
+        listener: StatsListener | None,
+    ) -> None:
+        """`make_driver`: builds the driver from the state it shares with this engine (called
+        last, so the driver starts with everything in place)."""
         self._inputs = inputs
         self.model_info = model_info
         self.stall_timeout = stall_timeout
@@ -53,23 +72,13 @@ class AsyncFrontend:
         self._max_waiting = max_waiting
         self._lanes = InputLanes(input_workers, light_input_bytes)
         self._streams: dict[str, Stream] = {}
-        self._stats = stats
+        self._vitals = Vitals(stats)
         self._platform = platform  # fixed for the engine's life
-        self._heartbeat = time.monotonic()
-        self._faults = 0
-        self._last_error: str | None = None
-        self._last_step_failed = False
         self._draining = False
-        self._dead = False
+        self._driver = make_driver(Shared(self._streams, self._vitals, lambda: self.listener, stall_timeout))
 
     async def kv_report(self) -> dict[str, dict]:
-        raise NotImplementedError
-
-    def _alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _join(self) -> None:
-        self._thread.join()
+        return await self._driver.kv_report()
 
     # ---- inputs (worker pool) --------------------------------------------------------------------
 
@@ -103,14 +112,14 @@ class AsyncFrontend:
 
     def check_admission(self) -> None:
         """Raise if a new request would be refused now (cheap; call before processing inputs)."""
-        if self._dead:
+        if self._vitals.dead:
             raise EngineDeadError("the engine is not running")
         if self._draining:
             raise EngineDrainingError("the server is shutting down")
         # The scheduler enforces the limit exactly when the request is added; this early check, on
         # the last snapshot, spares decoding the images of a request that would be refused anyway.
         limit = self._max_waiting
-        if self._stats.get("num_requests_waiting", 0) >= limit:
+        if self._vitals.stats.get("num_requests_waiting", 0) >= limit:
             raise EngineOverloadedError(f"the waiting queue is full ({limit} requests)")
 
     async def generate(
@@ -141,7 +150,7 @@ class AsyncFrontend:
         engine_params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         finished = False
         try:
-            self._send(Command("add", request_id, (inputs, engine_params, priority)))
+            self._driver.send(Command("add", request_id, (inputs, engine_params, priority)))
             while True:
                 try:
                     item = await stream.collector.get()
@@ -159,13 +168,13 @@ class AsyncFrontend:
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Drop a request, freeing its blocks; its consumer (if any) gets `error`. Thread-safe."""
-        self._send(Command("abort", request_id, error=error, stream=self._streams.get(request_id)))
+        self._driver.send(Command("abort", request_id, error=error, stream=self._streams.get(request_id)))
 
     # ---- state -------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         """The engine's `stats()` as of the end of the last loop iteration (safe from any thread)."""
-        return self._stats
+        return self._vitals.stats
 
     def platform_info(self) -> dict:
         """Device, attention backend, CPU kernel variant and the kernels in use (kernels/ops.py)."""
@@ -176,16 +185,17 @@ class AsyncFrontend:
         return len(self._streams)
 
     def health(self) -> Health:
-        since = time.monotonic() - self._heartbeat
-        alive = self._alive() and not self._dead
+        vitals = self._vitals
+        since = time.monotonic() - vitals.heartbeat
+        alive = self._driver.alive() and not vitals.dead
         return Health(
             alive=alive,
             draining=self._draining,
             stalled=alive and since > self.stall_timeout,
             seconds_since_progress=since,
-            faults_total=self._faults,
-            last_error=self._last_error,
-            last_step_failed=self._last_step_failed,
+            faults_total=vitals.faults,
+            last_error=vitals.last_error,
+            last_step_failed=vitals.last_step_failed,
             num_unfinished=len(self._streams),
         )
 
@@ -213,6 +223,6 @@ class AsyncFrontend:
 
     async def shutdown(self) -> None:
         """Stop the engine thread; any request still open gets EngineDeadError."""
-        self._send(Command("stop"))
-        await asyncio.to_thread(self._join)
+        self._driver.send(Command("stop"))
+        await asyncio.to_thread(self._driver.join)
         self._lanes.shutdown()
