@@ -172,14 +172,14 @@ def _profile(engine) -> dict[str, float]:
     runner = engine.core.runner
     execute = runner.execute
 
-    def execute_split(items, *rest):
+    def execute_split(batch):
         t, vision_before = time.perf_counter(), timers["vision"]
         try:
-            return execute(items, *rest)
+            return execute(batch)
         finally:
             forward = time.perf_counter() - t - (timers["vision"] - vision_before)
-            prefill = sum(n for req, n in items if _in_prompt(req))
-            total = sum(n for _, n in items)
+            prefill = sum(n for req, n in batch.items if _in_prompt(req))
+            total = sum(n for _, n in batch.items)
             timers["prefill"] += forward * prefill / total
             timers["decode"] += forward * (total - prefill) / total
 

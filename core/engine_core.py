@@ -257,7 +257,7 @@ class EngineCore(OverlappedSteps):
         return StepFailedError(request_ids, self.device_lost)
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
-        logits, sampling, prompt_rows = self.runner.execute(batch.items, batch.copies)
+        logits, sampling, prompt_rows = self.runner.execute(batch)
         if prompt_rows:
             prompt_logprobs(batch.items, prompt_rows, logits[len(sampling) :])
             logits = logits[: len(sampling)]

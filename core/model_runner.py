@@ -29,6 +29,7 @@ from mm_engine.models.interface import MultimodalModel
 from mm_engine.parallel.ranks import torch_threads
 from mm_engine.pools.kv_cache import KVCache
 from mm_engine.request import ImageSpan, Request
+from mm_engine.sched.scheduler import ScheduledBatch
 from mm_engine.vision.encoder_cache import EncoderCache
 
 PLACEHOLDER = -1  # a sampled token not read back to the host yet (overlapped scheduling)
@@ -110,40 +111,32 @@ class ModelRunner:
         self.block_size = kv.spec.block_size
         self.num_encoded_images = 0  # how many images the vision tower has encoded in all
         # Features of images a request's prefill has reached but not passed: request id -> image
-        # index -> features. The runner's own state; the engine releases a request's when it is
-        # preempted or finishes.
+        # index -> features. Stored as the scheduler's batches say (`new_images`, `passed_images`);
+        # the core releases a request's when it is preempted or finishes.
         self._held: dict[str, dict[int, torch.Tensor]] = {}
         self.peers = peers
         self.encoder = encoder or model.encode
         self.threads = threads
 
-    def execute(
-        self, items: list[tuple[Request, int]], copies: list[tuple[int, int]] = ()
-    ) -> tuple[torch.Tensor, list[int], list]:
-        """Returns logits `[len(sampling) + prompt rows, vocab]`, the indices into `items` that
-        sample (the first rows of the logits), and the prompt-logprob rows after them."""
-        inputs = self.prepare(items, copies=copies)
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], list]:
+        """Returns logits `[len(sampling) + prompt rows, vocab]`, the indices into `batch.items`
+        that sample (the first rows of the logits), and the prompt-logprob rows after them."""
+        inputs = self.prepare(batch)
         logits, sampling = self.forward(inputs)
         return logits, sampling, inputs.prompt_rows
 
-    def prepare(
-        self,
-        items: list[tuple[Request, int]],
-        pending: dict[str, int] | None = None,
-        copies: list[tuple[int, int]] = (),
-    ) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, pending: dict[str, int] | None = None) -> StepInputs:
         """Everything a forward needs, as tensors on the device: the host's share of a step
-        (images a chunk reaches are encoded here too). `pending`: request id -> index among the
-        previous step's samples, for the requests whose last token is still a `PLACEHOLDER`.
-        `copies`: KV blocks (source, destination) the forward copies before anything else."""
+        (the batch's new images are encoded here too, or taken from the encoder cache).
+        `pending`: request id -> index among the previous step's samples, for the requests whose
+        last token is still a `PLACEHOLDER`. The batch's KV block copies run before anything else."""
         with torch_threads(self.threads):
-            return self._prepare(items, pending, copies)
+            return self._prepare(batch, pending)
 
     @torch.inference_mode()
-    def _prepare(
-        self, items: list[tuple[Request, int]], pending: dict[str, int] | None, copies: list[tuple[int, int]]
-    ) -> StepInputs:
-        self._encode_images(items)
+    def _prepare(self, batch: ScheduledBatch, pending: dict[str, int] | None) -> StepInputs:
+        items, copies = batch.items, batch.copies
+        self._encode_images(batch.new_images)
         rows = _StepRows()
         for k, (req, n) in enumerate(items):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -155,7 +148,12 @@ class ModelRunner:
                 rows.sample_rows.append(len(rows.ids) - 1)
                 rows.sampling.append(k)
         inputs = self._tensors(rows, items, copies)
-        self._drop_used_images(items)  # what this step needs is in `inputs.embed_feats` now
+        for rid, j in batch.passed_images:  # what this step needs is in `inputs.embed_feats` now
+            held = self._held.get(rid)
+            if held is not None:
+                held.pop(j, None)
+                if not held:
+                    del self._held[rid]
         return inputs
 
     def _add_tokens(
@@ -318,20 +316,17 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
 
-    def _encode_images(self, items: list[tuple[Request, int]]) -> None:
-        """Give every image that this step's chunks touch its features: from the encoder cache, or
-        encoded now in one batch (each distinct image once, however many requests carry it)."""
+    def _encode_images(self, images: list[tuple[Request, int]]) -> None:
+        """Give each image the scheduler lists its features: from the encoder cache, or encoded
+        now in one batch (each distinct image once, however many requests carry it)."""
         todo: dict[str, list[tuple[Request, int]]] = {}
-        for req, n in items:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            held = self._held.setdefault(req.request_id, {})
-            for j, span in enumerate(req.images):
-                if span.offset < end and start < span.offset + span.length and j not in held:
-                    feats = self.encoder_cache.get(span.content_hash)
-                    if feats is not None:
-                        held[j] = feats
-                    else:
-                        todo.setdefault(span.content_hash, []).append((req, j))
+        for req, j in images:
+            span = req.images[j]
+            feats = self.encoder_cache.get(span.content_hash)
+            if feats is not None:
+                self._held.setdefault(req.request_id, {})[j] = feats
+            else:
+                todo.setdefault(span.content_hash, []).append((req, j))
         if not todo:
             return
         firsts = [users[0] for users in todo.values()]
@@ -339,18 +334,8 @@ class ModelRunner:
         for (key, users), f in zip(todo.items(), feats, strict=True):
             self.encoder_cache.put(key, f)
             for req, j in users:
-                self._held[req.request_id][j] = f
+                self._held.setdefault(req.request_id, {})[j] = f
         self.num_encoded_images += len(todo)
-
-    def _drop_used_images(self, items: list[tuple[Request, int]]) -> None:
-        """Features are needed only until the prefill has passed the image."""
-        for req, n in items:
-            done = req.num_computed_tokens + n
-            held = self._held.get(req.request_id, {})
-            for j in [j for j in held if req.images[j].offset + req.images[j].length <= done]:
-                del held[j]
-            if not held:
-                self._held.pop(req.request_id, None)
 
     def release(self, request_id: str) -> None:
         """Forget a request's image features (it was preempted, or it finished)."""

@@ -44,6 +44,7 @@ class OverlappedSteps:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
         scheduled = self._schedule()  # into the caller's batch: what fails if anything does
         batch.items, batch.copies = scheduled.items, scheduled.copies
+        batch.new_images, batch.passed_images = scheduled.new_images, scheduled.passed_images
         if any(r.params.prompt_logprobs is not None and r.first_token_time is None for r, _ in batch.items):
             return self._plain_after(prev, batch, outputs)
         if prev is not None and self._reads_pending(prev, batch):
@@ -108,14 +109,14 @@ class OverlappedSteps:
         except Exception as exc:
             self._forget_registered(prev)
             raise self._fail(exc, [*prev.items, *batch.items], outputs) from exc
-        batch.items = [(req, n) for req, n in batch.items if not req.is_finished]
+        batch.drop_finished()
         return outputs
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None) -> Launched:
         pending = (
             {} if prev is None else {prev.items[k][0].request_id: i for i, k in enumerate(prev.sampling)}
         )
-        inputs = self.runner.prepare(batch.items, pending, batch.copies)
+        inputs = self.runner.prepare(batch, pending)
         sampling = [batch.items[k][0] for k in inputs.sampling]
         params, gens = [r.params for r in sampling], [r.generator for r in sampling]
         return self.launcher.launch(

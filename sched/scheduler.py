@@ -40,10 +40,23 @@ class ScheduledBatch:
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks
+    # Image features, as the scheduler accounts for them: the images this step's chunks reach whose
+    # features the runner does not hold yet (from the encoder cache, or encoded this step), and
+    # the images the chunks pass (the runner drops their features after this step). An image a
+    # chunk ends inside is in neither list the next step: the runner holds it meanwhile.
+    new_images: list[tuple[Request, int]] = field(default_factory=list)  # (request, image index)
+    passed_images: list[tuple[str, int]] = field(default_factory=list)  # (request id, image index)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+    def drop_finished(self) -> None:
+        """Leave out the requests that ended meanwhile (a step read before this one launches)."""
+        self.items = [(req, n) for req, n in self.items if not req.is_finished]
+        self.new_images = [(req, j) for req, j in self.new_images if not req.is_finished]
+        live = {req.request_id for req, _ in self.items}
+        self.passed_images = [(rid, j) for rid, j in self.passed_images if rid in live]
 
 
 class Scheduler:
@@ -169,12 +182,17 @@ class Scheduler:
         self._scheduled.add(req.request_id)
         if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image
             return
-        end = req.num_computed_tokens + n
-        inside = [j for j, s in enumerate(req.images) if s.offset < end < s.offset + s.length]
-        if inside:
-            self._straddling[req.request_id] = inside[0]
-        else:
-            self._straddling.pop(req.request_id, None)
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        held = self._straddling.pop(req.request_id, None)
+        for j, span in enumerate(req.images):
+            if span.offset >= end or span.offset + span.length <= start:
+                continue
+            if j != held:
+                batch.new_images.append((req, j))
+            if span.offset + span.length <= end:
+                batch.passed_images.append((req.request_id, j))
+            else:  # the chunk ends inside it: its features stay with the runner until it is passed
+                self._straddling[req.request_id] = j
         self._in_flight.update(self.blocks.pending_prompt_hashes(req))
 
     def _schedule_running(self, req: Request, batch: ScheduledBatch) -> None:

@@ -133,10 +133,10 @@ def _poison(llm: LLM, rid: str) -> None:
     prepare = llm.engine.core.runner.prepare
     poisoned: set[str] = set()
 
-    def watched(items, *rest):
+    def watched(batch, *rest):
         poisoned.clear()
-        poisoned.update(r.request_id for r, _ in items if r.request_id == rid)
-        return prepare(items, *rest)
+        poisoned.update(r.request_id for r, _ in batch.items if r.request_id == rid)
+        return prepare(batch, *rest)
 
     llm.engine.core.runner.prepare, llm.engine.core.runner.forward = watched, faulty
 

@@ -24,10 +24,10 @@ def _poison(engine, message: str) -> None:
     """Batches holding request "bad" raise `message` inside the forward."""
     execute = engine.core.runner.execute
 
-    def faulty(items, *rest):
-        if any(req.request_id == "bad" for req, _ in items):
+    def faulty(batch):
+        if any(req.request_id == "bad" for req, _ in batch.items):
             raise RuntimeError(message)
-        return execute(items, *rest)
+        return execute(batch)
 
     engine.core.runner.execute = faulty
 

@@ -41,9 +41,9 @@ def _watch_chunks(llm) -> list:
     """Record every step's (request, start, tokens) as the runner receives it."""
     steps, execute = [], llm.engine.core.runner.execute
 
-    def watched(items, *rest):
-        steps.append([(req, req.num_computed_tokens, n) for req, n in items])
-        return execute(items, *rest)
+    def watched(batch):
+        steps.append([(req, req.num_computed_tokens, n) for req, n in batch.items])
+        return execute(batch)
 
     llm.engine.core.runner.execute = watched
     return steps

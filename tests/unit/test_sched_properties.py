@@ -61,6 +61,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.seq = 0
         self.live: dict[str, Request] = {}
+        self.held: set[tuple[str, int]] = set()  # image features the runner holds between steps
 
     # ---- rules -------------------------------------------------------------------------------
 
@@ -93,7 +94,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.sched.finish(self.live.pop(rid))
+        self._finish(rid)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
     def step(self, dt):
@@ -106,6 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert any(ranks[s] < ranks[w.request_id] for s in scheduled), (
                     "a starved request was passed over"
                 )
+        self._check_image_features(batch)
         if batch.copies:  # the runner copies partial prompt blocks before the forward writes
             src, dst = (torch.tensor(x) for x in zip(*batch.copies, strict=True))
             self.kv.copy_blocks(src, dst)
@@ -116,7 +118,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             if req.num_computed_tokens == req.num_tokens:
                 req.token_ids.append(7 + len(req.token_ids) % 3)  # a made-up sampled token
                 if len(req.output_token_ids) >= req.params.max_tokens:
-                    self.sched.finish(self.live.pop(req.request_id))
+                    self._finish(req.request_id)
+
+    def _finish(self, rid: str) -> None:
+        self.sched.finish(self.live.pop(rid))
+        self.held = {(r, j) for r, j in self.held if r != rid}  # the core releases the runner's
+
+    def _check_image_features(self, batch) -> None:
+        """The runner stores features only as the batches say: every image a chunk reaches must be
+        new in this batch or held since an earlier one, and what is held is at most the one image
+        each request's last chunk ended inside."""
+        for req in batch.preempted:  # the core releases a preempted request's features
+            self.held = {(r, j) for r, j in self.held if r != req.request_id}
+        new = {(req.request_id, j) for req, j in batch.new_images}
+        assert not new & self.held, "features made again for an image the runner holds"
+        for req, n in batch.items:
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            for j, span in enumerate(req.images):
+                if span.offset < end and start < span.offset + span.length:
+                    assert (req.request_id, j) in new | self.held, "a chunk reaches an image with no features"
+        self.held = (self.held | new) - set(batch.passed_images)
+        held_per_request = [r for r, _ in self.held]
+        assert len(held_per_request) == len(set(held_per_request)), "more than one image held for a request"
 
     def _fake_run(self, req: Request, n: int) -> None:
         """What the runner does that the scheduler relies on: touched images end up encoded (in
