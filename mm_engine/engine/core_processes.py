@@ -151,10 +151,8 @@ class CoreProcesses:
 
     @staticmethod
     def _finish(stream: Stream | None, error: BaseException | None) -> None:
-        if stream is not None and not stream.finished:
-            stream.finished = True
-            if error is not None:
-                stream.put(error)
+        if stream is not None:  # None: its consumer is gone already
+            stream.finish(error)
 
     # ---- reader threads ----------------------------------------------------------------------
 
