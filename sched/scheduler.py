@@ -59,6 +59,21 @@ class ScheduledBatch:
         self.passed_images = [(rid, j) for rid, j in self.passed_images if rid in live]
 
 
+@dataclass(slots=True)
+class _Pass:
+    """One `schedule()` call's working state; it ends with the call."""
+
+    batch: ScheduledBatch
+    budget: int  # tokens left this step
+    encoder_left: int  # image tokens the tower may still encode this step
+    scheduled: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)  # preempted in this step: they wait at least one
+    # Prompt blocks that requests scheduled so far in this step are computing: a waiting request
+    # (ranked below them) about to compute the same block waits for it to land in the prefix cache.
+    in_flight: set[bytes] = field(default_factory=set)
+    admitting: str | None = None  # a swapped request being admitted (see _admit)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -84,13 +99,11 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []  # in rank order at the start of each step
         self._ranks: dict[str, tuple] = {}  # running request id -> its rank (fixed once admitted)
-        self._preempted_now: set[str] = set()
         self.num_preemptions = 0
         self.preemptions_by_pool = {"text": 0, "image": 0}
         # Per request, the image its last chunk ended inside: its features are held by the runner
         # from that step on, so the next chunk does not charge the encoder budget for it again.
         self._straddling: dict[str, int] = {}
-        self._admitting: str | None = None  # a swapped request being admitted (see _admit)
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting_requests:
@@ -104,43 +117,37 @@ class Scheduler:
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
+        p = _Pass(batch, self.max_num_batched_tokens, self.encoder_budget)
         ranks = self._ranks
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
-        self._budget, self._encoder_left = self.max_num_batched_tokens, self.encoder_budget
-        self._scheduled: set[str] = set()
-        self._preempted_now: set[str] = set()  # they wait at least one step
-        # Prompt blocks that requests scheduled so far in this step are computing: a waiting
-        # request (ranked below them) about to compute the same block waits for it to land in the
-        # prefix cache instead.
-        self._in_flight: set[bytes] = set()
         running = list(self.running)
         waiting = self.waiting.in_rank_order(now)
         try:
             nxt = next(waiting, None)
             nxt_rank = None if nxt is None else self.policy.rank(nxt, now)
             i = 0
-            while self._budget > 0 and (i < len(running) or nxt is not None):
-                if i < len(running) and running[i].request_id in self._preempted_now:
+            while p.budget > 0 and (i < len(running) or nxt is not None):
+                if i < len(running) and running[i].request_id in p.preempted:
                     i += 1  # preempted earlier in this step: it waits at least one step
                     continue
                 if nxt is not None and (i == len(running) or nxt_rank < ranks[running[i].request_id]):
-                    if nxt.request_id in self._preempted_now or self._admit(nxt, nxt_rank, now, batch):
+                    if nxt.request_id in p.preempted or self._admit(nxt, nxt_rank, now, p):
                         nxt = next(waiting, None)
                         nxt_rank = None if nxt is None else self.policy.rank(nxt, now)
                     else:
                         nxt = None  # waiting requests never overtake each other
                     continue
-                self._schedule_running(running[i], batch)
+                self._schedule_running(running[i], p)
                 i += 1
         finally:
             waiting.close()  # what was looked at but stays waiting goes back into the queue
             batch.copies = self.blocks.take_copies()  # the partial prompt blocks copied on admission
         return batch
 
-    def _chunk(self, req: Request) -> tuple[int, int]:
+    def _chunk(self, req: Request, p: _Pass) -> tuple[int, int]:
         """Tokens this request may compute now, and the image tokens to encode for them."""
         start = req.num_computed_tokens
-        n = min(req.num_tokens - start, self._budget)
+        n = min(req.num_tokens - start, p.budget)
         if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image to encode
             return n, 0
         if self.whole_images:
@@ -154,7 +161,7 @@ class Scheduler:
             if self.encoder_cache.contains(span.content_hash):
                 continue
             # Charged with what the tower produces (a tiled image's run also holds row/column tokens).
-            if cost + span.num_embeds > self._encoder_left:
+            if cost + span.num_embeds > p.encoder_left:
                 return max(0, span.offset - start), cost  # stop before the image that does not fit
             cost += span.num_embeds
         return n, cost
@@ -175,11 +182,12 @@ class Scheduler:
                     return max(0, lo - start)
         return n
 
-    def _take(self, req: Request, n: int, cost: int, batch: ScheduledBatch) -> None:
+    def _take(self, req: Request, n: int, cost: int, p: _Pass) -> None:
+        batch = p.batch
         batch.items.append((req, n))
-        self._budget -= n
-        self._encoder_left -= cost
-        self._scheduled.add(req.request_id)
+        p.budget -= n
+        p.encoder_left -= cost
+        p.scheduled.add(req.request_id)
         if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image
             return
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -193,38 +201,38 @@ class Scheduler:
                 batch.passed_images.append((req.request_id, j))
             else:  # the chunk ends inside it: its features stay with the runner until it is passed
                 self._straddling[req.request_id] = j
-        self._in_flight.update(self.blocks.pending_prompt_hashes(req))
+        p.in_flight.update(self.blocks.pending_prompt_hashes(req))
 
-    def _schedule_running(self, req: Request, batch: ScheduledBatch) -> None:
-        n, cost = self._chunk(req)
+    def _schedule_running(self, req: Request, p: _Pass) -> None:
+        n, cost = self._chunk(req, p)
         if n == 0:
             return
         if not self.blocks.allocate(req, n):
             # Only requests ranked below it may give way; if they cannot free enough, it waits.
-            below = self._candidates(stop_at=req)
+            below = self._candidates(p, stop_at=req)
             victims = choose_victims(self.blocks, self.blocks.shortfall(req, n), 0, below)
             for victim in victims or [req]:
-                self.preempt(victim, batch)
+                self.preempt(victim, p)
             if victims is None or not self.blocks.allocate(req, n):
                 if req in self.running:
-                    self.preempt(req, batch)
+                    self.preempt(req, p)
                 return
-        self._take(req, n, cost, batch)
+        self._take(req, n, cost, p)
 
-    def _candidates(self, stop_at: Request | None = None, outranked_by: tuple | None = None):
+    def _candidates(self, p: _Pass, stop_at: Request | None = None, outranked_by: tuple | None = None):
         """Running requests not yet scheduled this step, lowest rank first, down to `stop_at` (or
         while `outranked_by` outranks them)."""
         for r in reversed(self.running):
             if r is stop_at:
                 return
-            if r.request_id in self._scheduled:
+            if r.request_id in p.scheduled:
                 continue
             rank = self._ranks[r.request_id]
             if outranked_by is not None and not outranks(self.policy, outranked_by, rank):
                 return
             yield r
 
-    def _admit(self, req: Request, rank: tuple, now: float, batch: ScheduledBatch) -> bool:
+    def _admit(self, req: Request, rank: tuple, now: float, p: _Pass) -> bool:
         """Admit `req` if it fits; returns whether the requests behind it may still be admitted."""
         swapped = self.swap is not None and self.swap.has(req.request_id)
         cached = 0
@@ -234,22 +242,22 @@ class Scheduler:
             # A request blocked at the head of the queue is probed every step: its lookup is
             # counted once, when it is admitted (below).
             cached = self.blocks.match_prefix(req, count=False)
-            if self.blocks.next_block_hash(req) in self._in_flight:
+            if self.blocks.next_block_hash(req) in p.in_flight:
                 self.blocks.free(req)  # its prefix blocks stay cached for next step
                 req.num_computed_tokens = 0
                 return True
-        n, cost = self._chunk(req)
+        n, cost = self._chunk(req, p)
         # While it preempts to make room, its own swapped KV must stay (swap_out may drop text KV).
-        self._admitting = req.request_id if swapped else None
+        p.admitting = req.request_id if swapped else None
         if n > 0:
             short = self.blocks.shortfall(req, n, keep_watermark=True)
             seats = len(self.running) + 1 - self.max_num_seqs
-            victims = choose_victims(self.blocks, short, seats, self._candidates(outranked_by=rank))
+            victims = choose_victims(self.blocks, short, seats, self._candidates(p, outranked_by=rank))
             for victim in victims or []:
-                self.preempt(victim, batch)
+                self.preempt(victim, p)
             if victims is None or not self.blocks.can_allocate(req, n, keep_watermark=True):
                 n = 0
-        self._admitting = None
+        p.admitting = None
         if n == 0:
             self.blocks.free(req)  # give back any prefix blocks taken; they stay cached
             req.num_computed_tokens = 0
@@ -266,13 +274,14 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
             req.num_cached_tokens = cached
-        self._take(req, n, cost, batch)
+        self._take(req, n, cost, p)
         return True
 
     # ---- leaving the batch ---------------------------------------------------------------------
 
-    def preempt(self, req: Request, batch: ScheduledBatch | None = None) -> None:
-        """Free a running request's blocks (swapping its KV to host if asked) and make it wait."""
+    def preempt(self, req: Request, p: _Pass | None = None) -> None:
+        """Free a running request's blocks (swapping its KV to host if asked) and make it wait;
+        within a `schedule()` pass `p`, it waits at least until the next step."""
         self.running.remove(req)
         del self._ranks[req.request_id]
         bs = self.blocks.block_size
@@ -283,7 +292,7 @@ class Scheduler:
             self.preemptions_by_pool[pool] += 1
         if self.swap is not None and held:
             self.swap.swap_out(
-                req.request_id, held, req.num_computed_tokens, has_image, protect=self._admitting
+                req.request_id, held, req.num_computed_tokens, has_image, protect=p.admitting if p else None
             )
         self.blocks.free(req)
         req.num_computed_tokens = 0
@@ -292,9 +301,9 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.add(req)
-        self._preempted_now.add(req.request_id)
-        if batch is not None:
-            batch.preempted.append(req)
+        if p is not None:
+            p.preempted.add(req.request_id)
+            p.batch.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request from whichever queue holds it, freeing its blocks."""
