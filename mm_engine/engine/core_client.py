@@ -83,53 +83,48 @@ class ProcessCore:
         self.process = CoreProcess(config, max_image_tokens)
         self.pixels = PixelLedger(config.ipc_pixel_cache_bytes)
         self._stats: dict = self.process.ready.stats
-        self._live: set[str] = set()  # added, not finished or aborted
         self._early: list[m.FromCore] = []  # messages that came while waiting for an RPC's answer
-        self._sent: dict[str, m.Add] = {}  # live requests' adds, to send again if refused for a full queue
-        self._backlog: list[m.Add] = []  # adds refused for a full queue, to send again
+        # Each live request's Add (added, not finished or aborted): sent again if the core refused
+        # it for a full queue.
+        self._live: dict[str, m.Add] = {}
+        self._backlog: list[str] = []  # refused for a full queue: sent again after the next step
 
     def add(self, request: CoreRequest) -> None:
         add = add_message(request, self.pixels)
         self.process.send(add)  # not waiting for the answer: the core answers between its steps
-        self._sent[request.request_id] = add
-        self._live.add(request.request_id)
+        self._live[request.request_id] = add
 
     def abort(self, request_ids: list[str]) -> None:
-        self._live.difference_update(request_ids)
         for rid in request_ids:
-            self._sent.pop(rid, None)
+            self._live.pop(rid, None)
         self.process.send(m.Abort(list(request_ids)))
 
     def outputs(self) -> list[CoreOutput]:
         """The core's next step (none for a heartbeat or an answer to an add)."""
         msg = self._early.pop(0) if self._early else self._recv()
         if isinstance(msg, m.Reject):
-            add = self._sent.pop(msg.request_id, None)
             if msg.request_id not in self._live:  # aborted meanwhile: nobody to tell
                 return []
-            if msg.kind == "full" and add is not None:
-                self._backlog.append(add)  # back in `_sent` when it is sent again
+            if msg.kind == "full":
+                self._backlog.append(msg.request_id)
                 return []
-            self._live.discard(msg.request_id)
+            del self._live[msg.request_id]
             error = ValueError(msg.message) if msg.kind == "invalid" else RuntimeError(msg.message)
             raise RequestRefused(msg.request_id, error)
         if isinstance(msg, m.StepFailed):
-            self._live.difference_update(msg.request_ids)
             for rid in msg.request_ids:
-                self._sent.pop(rid, None)
+                self._live.pop(rid, None)
             raise StepFailedError(msg.request_ids, msg.device_lost)
         if not isinstance(msg, m.Outputs):
             return []
         self._stats = msg.stats
         for out in msg.outputs:
             if out.finish_reason is not None:
-                self._live.discard(out.request_id)
-                self._sent.pop(out.request_id, None)
+                self._live.pop(out.request_id, None)
         if self._backlog:  # a step ran (or the core idles): its queue may have room again
-            for add in self._backlog:
-                if add.request_id in self._live:
-                    self._sent[add.request_id] = add
-                    self.process.send(add)
+            for rid in self._backlog:
+                if rid in self._live:  # else aborted meanwhile
+                    self.process.send(self._live[rid])
             self._backlog.clear()
         return msg.outputs
 

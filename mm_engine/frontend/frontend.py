@@ -88,10 +88,6 @@ class Frontend:
     def abort(self, request_id: str) -> None:
         self.output.abort(request_id)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.output)
-
 
 def _eos_ids(path: Path, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
