@@ -17,11 +17,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from mm_engine.core.step_inputs import StepInputs, StepRows
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.kernels.metadata import AttentionMetadata
@@ -33,47 +33,6 @@ from mm_engine.sched.scheduler import ScheduledBatch
 from mm_engine.vision.encoder_cache import EncoderCache
 
 PLACEHOLDER = -1  # a sampled token not read back to the host yet (overlapped scheduling)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's forward inputs, prepared on the host and already on the device."""
-
-    ids: torch.Tensor  # [tokens] (image positions zeroed: their embeddings are replaced)
-    positions: torch.Tensor  # [tokens], or [3, tokens] for M-RoPE
-    meta: AttentionMetadata
-    embed_rows: torch.Tensor | None  # flat rows that take vision embeddings
-    embed_feats: torch.Tensor | None  # [rows, 1 + deepstack, hidden]
-    sample_rows: list[int]  # flat rows whose logits are sampled
-    sampling: list[int]  # the batch items they belong to
-    # Flat rows whose id is the previous step's sampled token, and that token's index among the
-    # previous step's samples; None when no input is pending.
-    from_prev: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Prompt logprobs: flat rows whose logits are wanted besides the sampled ones (after them in
-    # the logits), and per request (item, first prompt position, count) of those rows.
-    extra_rows: list[int] = field(default_factory=list)
-    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
-    logit_rows: torch.Tensor | None = None  # sample_rows + extra_rows on the device (no host sync)
-    block_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (sources, destinations), first
-
-
-@dataclass(slots=True)
-class _StepRows:
-    """One step's inputs on the host, row by row, while `_prepare` walks the batch."""
-
-    ids: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # each row's KV slot
-    positions: list[int] = field(default_factory=list)  # 1-D rotary positions, one list (cheaper per row)
-    mrope_positions: list[torch.Tensor] = field(default_factory=list)  # [3, n] per request (M-RoPE)
-    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
-    sampling: list[int] = field(default_factory=list)  # the batch items they belong to
-    prev_rows: list[int] = field(default_factory=list)  # rows whose id is still on the device
-    prev_src: list[int] = field(default_factory=list)  # its index among the previous step's samples
-    embed_rows: list[torch.Tensor] = field(default_factory=list)  # rows that take vision embeddings
-    embed_feats: list[torch.Tensor] = field(default_factory=list)  # and those, [rows, 1 + deepstack, hidden]
-    bidirectional: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (rows, image lo, hi)
-    extra_rows: list[int] = field(default_factory=list)  # prompt-logprob rows, after the sampled ones
-    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)  # (item, first position, count)
 
 
 class Peers(Protocol):
@@ -137,7 +96,7 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch, pending: dict[str, int] | None) -> StepInputs:
         items, copies = batch.items, batch.copies
         self._encode_images(batch.new_images)
-        rows = _StepRows()
+        rows = StepRows()
         for k, (req, n) in enumerate(items):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             row0 = len(rows.ids)
@@ -157,7 +116,7 @@ class ModelRunner:
         return inputs
 
     def _add_tokens(
-        self, rows: _StepRows, req: Request, start: int, end: int, pending: dict[str, int] | None
+        self, rows: StepRows, req: Request, start: int, end: int, pending: dict[str, int] | None
     ) -> None:
         """A request's new tokens: ids, KV slots, positions, and where a placeholder's token comes
         from. A decode (one token) takes the short path: it is most rows of most steps."""
@@ -178,9 +137,7 @@ class ModelRunner:
         else:
             rows.positions.extend(range(start, end))
 
-    def _add_prompt_rows(
-        self, rows: _StepRows, k: int, req: Request, start: int, end: int, row0: int
-    ) -> None:
+    def _add_prompt_rows(self, rows: StepRows, k: int, req: Request, start: int, end: int, row0: int) -> None:
         """A prompt chunk's extra rows: the prompt logprobs it asks for, and the rows its images'
         features replace (with the runs that attend both ways, for families that ask)."""
         if req.params.prompt_logprobs is not None and req.first_token_time is None:
@@ -202,7 +159,7 @@ class ModelRunner:
                         rows.bidirectional.append((rows.embed_rows[-1][inside], lo, hi))
 
     def _tensors(
-        self, rows: _StepRows, items: list[tuple[Request, int]], copies: list[tuple[int, int]]
+        self, rows: StepRows, items: list[tuple[Request, int]], copies: list[tuple[int, int]]
     ) -> StepInputs:
         """The host's rows as the forward's tensors on the device (copies that do not wait)."""
         dev = self.device

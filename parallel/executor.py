@@ -21,7 +21,7 @@ from typing import BinaryIO
 import torch
 
 from mm_engine.config import EngineConfig
-from mm_engine.core.model_runner import StepInputs
+from mm_engine.core.step_inputs import StepInputs
 from mm_engine.parallel.group import COLLECTIVE_TIMEOUT, ParallelError, TPGroup, destroy_group, init_group
 from mm_engine.parallel.ranks import WorkerStart, rank_device, rank_threads
 from mm_engine.parallel.step_wire import Blocks, Start, Stop, SwapDrop, SwapIn, SwapOut, send_step, write

@@ -17,7 +17,7 @@ from typing import BinaryIO
 import msgspec
 import torch
 
-from mm_engine.core.model_runner import StepInputs
+from mm_engine.core.step_inputs import StepInputs
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.parallel.group import TPGroup
 from mm_engine.parallel.ranks import WorkerStart
