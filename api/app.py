@@ -2,7 +2,9 @@
 
 The app does not own the engine: whoever made the `AsyncLLM` shuts it down (the server does after
 uvicorn returns), so tests can put several apps in front of one engine. The image limits are the
-engine's, given when it is built (`mm-engine serve` builds it with `settings.image_limits()`).
+engine's, given when it is built (`mm-engine serve` builds it with `settings.image_limits()`), and
+so is its metrics listener: the app serves the engine's `Metrics` at `/metrics` (an engine built
+without one gets a fresh registry whose request series stay at zero; only its gauges move).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def create_app(
     llm: AsyncLLM, settings: ServerSettings | None = None, *, fetcher: MediaFetcher | None = None
 ) -> Litestar:
     settings = settings or ServerSettings()
-    metrics_ = Metrics(llm)
-    llm.listener = metrics_
+    listener = llm.listener
+    metrics_ = listener if isinstance(listener, Metrics) else Metrics(llm.model_info.max_num_seqs)
     fetcher = fetcher or MediaFetcher(
         settings.allowed_media_domains,
         settings.max_image_bytes,

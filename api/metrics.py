@@ -1,7 +1,9 @@
 """Prometheus metrics under `mm_engine:`, named after vLLM's (`vllm:`) where one exists.
 
-Gauges and engine counters are read from the engine's latest `stats()` at scrape time; request
-timings are observed by the engine thread as outputs come out (prometheus-client is thread-safe).
+`Metrics` is the engine's `StatsListener`, given to the engine when it is built: request timings
+are observed by the engine's output thread as outputs come out (prometheus-client is thread-safe).
+Gauges and engine counters come from the engine's latest `stats()`, which the route hands to
+`render` at scrape time.
 Each app has its own registry, so several apps can live in one process (tests). With several API
 servers (`--api-server-count`) the request metrics add up over them (prometheus-client's
 multiprocess mode).
@@ -16,7 +18,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from mm_engine.async_llm import AsyncLLM
 from mm_engine.outputs import RequestOutput
 
 P = "mm_engine:"
@@ -31,13 +32,13 @@ _FILL = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class _EngineCollector(Collector):
-    """Gauges and the engine's own counters, from its latest stats snapshot."""
+    """Gauges and the engine's own counters, from one stats snapshot and the platform info."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
-        self.llm = llm
+    def __init__(self, stats: dict, platform: dict) -> None:
+        self.stats, self.platform = stats, platform
 
     def collect(self):
-        s = self.llm.stats()
+        s = self.stats
         yield GaugeMetricFamily(P + "num_requests_running", "Requests in the running batch.",
                                 value=s.get("num_requests_running", 0))  # fmt: skip
         yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting to be scheduled.",
@@ -61,7 +62,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(P + "num_preemptions", "Requests preempted (recompute or swap).",
                                   value=s.get("num_preemptions_total", 0))  # fmt: skip
         yield from _per_core(s.get("per_core", []))
-        info = self.llm.platform_info()
+        info = self.platform
         kernels = GaugeMetricFamily(
             P + "cpu_kernels_info", "The CPU C kernels in use: ISA variant and kernel names (1).",
             labels=["variant", "kernels", "attention_backend"],
@@ -88,16 +89,17 @@ def _per_core(per_core: list[dict]):
 
 
 class Metrics:
-    """The app's registry; also the engine's `StatsListener`."""
+    """The request metrics' registry and the engine's `StatsListener` (`listener=` when the engine
+    is built); `max_num_seqs` is the engine's, for the batch fill ratio."""
 
-    def __init__(self, llm: AsyncLLM) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
         self.registry = CollectorRegistry()
         # One of several API servers (PROMETHEUS_MULTIPROC_DIR, set by api/supervisor.py): the
         # request metrics go to files that every server's scrape adds up; the engine's own come
         # from the cores, whose stats reach every server alike.
         multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         r = None if multiprocess else self.registry
-        self.max_num_seqs = llm.model_info.max_num_seqs
+        self.max_num_seqs = max_num_seqs
         by = ["modality"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", by,
                               buckets=_LATENCY, registry=r)  # fmt: skip
@@ -117,7 +119,6 @@ class Metrics:
                               buckets=_FILL, registry=r)  # fmt: skip
         if multiprocess:
             MultiProcessCollector(self.registry)
-        self.registry.register(_EngineCollector(llm))
         # Every series exists from the start (at 0), so rates and dashboards work before traffic.
         for reason in ("stop", "length", "abort"):
             self.success.labels(reason)
@@ -125,8 +126,11 @@ class Metrics:
             for modality in ("image", "text"):
                 hist.labels(modality)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: dict, platform: dict) -> bytes:
+        """The exposition text: request metrics, then the engine's from its `stats` snapshot."""
+        engine = CollectorRegistry(auto_describe=False)
+        engine.register(_EngineCollector(stats, platform))
+        return generate_latest(self.registry) + generate_latest(engine)
 
     # ---- StatsListener (engine thread) -------------------------------------------------------------
 

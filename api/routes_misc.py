@@ -87,7 +87,9 @@ async def health_head(request: Request) -> Response[None]:
     include_in_schema=True,
 )
 async def metrics(request: Request) -> Response[bytes]:
-    return Response(get_ctx(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    ctx = get_ctx(request)
+    body = ctx.metrics.render(ctx.llm.stats(), ctx.llm.platform_info())
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 _PLAYGROUND = Path(__file__).with_name("playground.html")

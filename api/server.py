@@ -155,6 +155,7 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
     the socket pair with each core, for one of several API servers (`index` among them)."""
     # Imported here, not at the top: `mm-engine generate` and friends import this module for the
     # parser alone and need none of the web stack.
+    from mm_engine.api.metrics import Metrics
     from mm_engine.async_llm import AsyncLLM
     from mm_engine.cli import engine_kwargs
     from mm_engine.config import EngineConfig
@@ -170,6 +171,7 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
         input_workers=settings.input_workers,
         light_input_bytes=settings.light_input_bytes,
         stall_timeout=settings.health_stall_timeout,
+        listener=Metrics(config.max_num_seqs),
     )
     exit_ = _Exit()
     if args.engine_core == "process":

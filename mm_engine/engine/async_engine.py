@@ -68,14 +68,19 @@ class AsyncEngine:
         self._inputs = inputs
         self.model_info = model_info
         self.stall_timeout = stall_timeout
-        self.listener = listener
+        self._listener = listener
         self._max_waiting = max_waiting
         self._lanes = InputLanes(input_workers, light_input_bytes)
         self._streams: dict[str, Stream] = {}
         self._vitals = Vitals(stats)
         self._platform = platform  # fixed for the engine's life
         self._draining = False
-        self._driver = make_driver(Shared(self._streams, self._vitals, lambda: self.listener, stall_timeout))
+        self._driver = make_driver(Shared(self._streams, self._vitals, listener, stall_timeout))
+
+    @property
+    def listener(self) -> StatsListener | None:
+        """Who receives request timings (the server's `Metrics`), given when the engine is built."""
+        return self._listener
 
     async def kv_report(self) -> dict[str, dict]:
         return await self._driver.kv_report()

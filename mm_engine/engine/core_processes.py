@@ -108,7 +108,7 @@ class CoreProcesses:
                     if not core.down:
                         core.client.send(m.Abort([cmd.request_id]))
             if stream is not None and not stream.finished:
-                listener = self.shared.listener()
+                listener = self.shared.listener
                 if stream.in_engine and listener is not None:
                     listener.on_aborted(stream.modality)
                 self._finish(stream, cmd.error)
@@ -177,7 +177,7 @@ class CoreProcesses:
             self.on_dead()
 
     def _handle(self, core: CoreHandle, msg: m.FromCore) -> None:
-        vitals, listener = self.shared.vitals, self.shared.listener()
+        vitals, listener = self.shared.vitals, self.shared.listener
         if isinstance(msg, m.Outputs):
             core.stats = msg.stats
             vitals.stats = sum_stats([c.stats for c in self._cores])

@@ -126,7 +126,7 @@ class EngineThread:
             stream = cmd.stream
             self.engine.abort(cmd.request_id)
             if stream is not None and not stream.finished:
-                listener = self.shared.listener()
+                listener = self.shared.listener
                 if stream.in_engine and listener is not None:
                     listener.on_aborted(stream.modality)
                 stream.finish(cmd.error)
@@ -164,7 +164,7 @@ class EngineThread:
             self._on_step_failure(exc)
             return
         seconds = time.perf_counter() - start
-        vitals, listener = self.shared.vitals, self.shared.listener()
+        vitals, listener = self.shared.vitals, self.shared.listener
         vitals.last_step_failed = False
         stats = vitals.stats = self.engine.stats()
         if listener is not None:

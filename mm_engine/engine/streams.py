@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mm_engine.engine.async_types import StatsListener
@@ -73,7 +72,7 @@ class Shared:
 
     streams: dict[str, Stream]
     vitals: Vitals
-    listener: Callable[[], StatsListener | None]  # the engine's listener now (the app sets one)
+    listener: StatsListener | None  # the engine's, fixed when it is built
     stall_timeout: float
 
 

@@ -14,6 +14,7 @@ from litestar.testing import TestClient
 from helpers.api import ENGINE_KW, PROMPT, chat_messages, data_url, image_bytes, metric, wait_until
 from mm_engine import LLM, SamplingParams
 from mm_engine.api.app import create_app
+from mm_engine.api.metrics import Metrics
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
 from mm_engine.engine.async_client import AsyncMPLLM
@@ -34,7 +35,7 @@ def ref(clip_llama):
 def llm(clip_llama, request):
     """The app's engine core on a thread of this process, and in a process of its own."""
     kind = AsyncLLM if request.param == "thread" else AsyncMPLLM
-    llm = kind.from_engine_args(clip_llama, **ENGINE_KW)
+    llm = kind.from_engine_args(clip_llama, **ENGINE_KW, listener=Metrics(128))
     yield llm
     asyncio.run(llm.shutdown())
 
