@@ -30,7 +30,6 @@ from mm_engine.models.layers.gemma import GemmaLM
 from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.models.weights import (
-    default_dtype,
     load_strict,
 )
 from mm_engine.parallel.group import check_divisible
@@ -129,8 +128,8 @@ class Gemma3Model(TowerProjectorModel):
     def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform, tp=None):
         if tp is not None:
             check_divisible(config.text_config, tp.world)
-        with torch.device(device), default_dtype(dtype):
-            lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops, tp)
+        with torch.device(device):
+            lm = GemmaLM(config.text_config, "lm_head.weight" not in lm_state, platform.ops, tp, dtype)
         load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
         lm.fuse_projections()
         return lm

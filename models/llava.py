@@ -27,7 +27,6 @@ from mm_engine.models.layers.packed_linear import PackedLinear
 from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
-    default_dtype,
     load_strict,
     materialize,
     read_weights,
@@ -44,11 +43,11 @@ SUPPORTED_VISION = ("clip_vision_model", "siglip_vision_model")
 
 
 class Projector(nn.Module):
-    def __init__(self, in_dim: int, out_dim: int, act: str, bias: bool) -> None:
+    def __init__(self, in_dim: int, out_dim: int, act: str, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias)
+        self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias, dtype=dtype)
         self.act = ACT2FN[act]
-        self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias)
+        self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
@@ -117,8 +116,10 @@ class LlavaModel(MultimodalModel):
     extra_weights: tuple[str, ...] = ()  # top-level parameters beside tower, projector and LM
 
     def __init__(
-        self, config, vision_tower: nn.Module, language_model: DecoderLM, projector_bias: bool
-    ) -> None:
+        self, config, vision_tower: nn.Module, language_model: DecoderLM, projector_bias: bool,
+        dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        """`dtype`: the projector's (and any extra weights'), the language model's."""
         super().__init__()
         self.config = config
         self.layers = feature_layers(config)
@@ -130,7 +131,7 @@ class LlavaModel(MultimodalModel):
                 module.use_head = False
         in_dim = config.vision_config.hidden_size * len(self.layers)
         self.multi_modal_projector = Projector(
-            in_dim, config.text_config.hidden_size, config.projector_hidden_act, projector_bias
+            in_dim, config.text_config.hidden_size, config.projector_hidden_act, projector_bias, dtype
         )
         self.language_model = language_model
         self.image_token_id = config.image_token_index
@@ -154,8 +155,8 @@ class LlavaModel(MultimodalModel):
         lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
         tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
         load_strict(tower, vision_state, "vision tower")
-        with torch.device(device), default_dtype(dtype):
-            model = cls(config, tower, lm, projector_bias="linear_1.bias" in projector_state)
+        with torch.device(device):
+            model = cls(config, tower, lm, "linear_1.bias" in projector_state, dtype)
         load_strict(model.multi_modal_projector, projector_state, "projector")
         for name in cls.extra_weights:
             if name not in extra:

@@ -89,9 +89,11 @@ class LlavaNextProcessing(Processing):
 class LlavaNextModel(LlavaModel):
     extra_weights = ("image_newline",)
 
-    def __init__(self, config, vision_tower: nn.Module, language_model, projector_bias: bool) -> None:
-        super().__init__(config, vision_tower, language_model, projector_bias)
-        self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
+    def __init__(
+        self, config, vision_tower: nn.Module, language_model, projector_bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__(config, vision_tower, language_model, projector_bias, dtype)
+        self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size, dtype=dtype))
         self.side = config.vision_config.image_size // config.vision_config.patch_size
         ratio = getattr(config, "vision_aspect_ratio", None)  # OneVision: "anyres_max_9"
         self.max_tiles = int(ratio.removeprefix("anyres_max_")) if ratio else None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,16 +82,6 @@ def route_tower_projector_lm(key: str) -> tuple[str, str] | None:
     return None
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def load_strict(module: nn.Module, state: dict, what: str) -> None:
     missing, unexpected = module.load_state_dict(materialize(state), strict=False)
     # Buffers computed at init and a tied LM head are not stored in checkpoints.
@@ -122,8 +111,8 @@ def build_language_model(
     tie = "lm_head.weight" not in lm_state
     if tp is not None:
         check_divisible(text_config, tp.world)
-    with torch.device(device), default_dtype(dtype):
-        lm = DecoderLM(text_config, bias, tie, ops, mrope_streams, qk_norm, tp)
+    with torch.device(device):
+        lm = DecoderLM(text_config, bias, tie, ops, mrope_streams, qk_norm, tp, dtype)
     load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
     lm.fuse_projections()
     return lm

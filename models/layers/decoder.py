@@ -4,6 +4,9 @@ Parameter names follow the Hugging Face checkpoints (`layers.N.self_attn.q_proj`
 loading is a rename of prefixes and nothing more. Whether a projection has a bias is read from the
 checkpoint itself (Qwen2 has q/k/v biases, Llama may have `attention_bias`), not guessed per family.
 
+Every parameter is made in the `dtype` each constructor is given (nothing reads torch's
+process-wide default dtype); the rotary frequencies are float32 whatever it is.
+
 Norms, rotary and the MLP's activation go through the `ops` the platform hands the model
 (kernels/ops.py: torch, or one ISA variant's C kernels on CPU); the layers never ask which.
 """
@@ -22,9 +25,11 @@ from mm_engine.parallel.group import TPGroup
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: TorchOps = TORCH_OPS) -> None:
+    def __init__(
+        self, dim: int, eps: float, ops: TorchOps = TORCH_OPS, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps, self.ops = eps, ops
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +100,7 @@ class Attention(nn.Module):
 
     def __init__(
         self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
-        tp: TPGroup | None = None,
+        tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         super().__init__()
         world = tp.world if tp is not None else 1
@@ -106,16 +111,16 @@ class Attention(nn.Module):
         )
         self.tp = tp
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * head_dim, bias=bias["q_proj"])
-        self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["k_proj"])
-        self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["v_proj"])
-        self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias["o_proj"])
+        self.q_proj = nn.Linear(h, self.num_heads * head_dim, bias=bias["q_proj"], dtype=dtype)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["k_proj"], dtype=dtype)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias["v_proj"], dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias["o_proj"], dtype=dtype)
         self.scale = head_dim**-0.5
         self.qkv_proj: nn.Linear | None = None
         self.ops = ops
         # Qwen3: an RMSNorm over each head of q and k before the rotary.
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
@@ -153,13 +158,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """With `tp`, gate and up split by columns, down by rows (the ranks' outputs are summed)."""
 
-    def __init__(self, config, bias: bool, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        bias: bool,
+        ops: TorchOps = TORCH_OPS,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         width = config.intermediate_size // (tp.world if tp is not None else 1)
         self.tp = tp
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias, dtype=dtype)
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"  # then silu(gate) * up is one op of `ops`
         self.gate_up_proj: nn.Linear | None = None
@@ -186,9 +198,9 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the parts' outputs side by side (a missing bias is zero)."""
     w = parts[0].weight
     fused = nn.Linear(
-        w.shape[1], sum(p.out_features for p in parts), bias=any(p.bias is not None for p in parts)
-    )
-    fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
+        w.shape[1], sum(p.out_features for p in parts), bias=any(p.bias is not None for p in parts),
+        device=w.device, dtype=w.dtype,
+    ).requires_grad_(False)  # fmt: skip
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if fused.bias is not None:
@@ -201,13 +213,13 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
 class DecoderLayer(nn.Module):
     def __init__(
         self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
-        tp: TPGroup | None = None,
+        tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm, tp)
-        self.mlp = MLP(config, bias["mlp"], ops, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm, tp, dtype)
+        self.mlp = MLP(config, bias["mlp"], ops, tp, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, backend):
         """`x` is the previous layer's MLP output, still to be added to `residual` (None for the
@@ -238,6 +250,7 @@ class DecoderLM(nn.Module):
         mrope_streams: list[int] | None = None,
         qk_norm: bool = False,
         tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -245,16 +258,17 @@ class DecoderLM(nn.Module):
         self.tp = tp
         self.vocab_size = config.vocab_size
         if tp is None:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, bias, ops, qk_norm, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, head_dim, bias, ops, qk_norm, tp, dtype)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.rotary = Rotary(config, head_dim, mrope_streams)
         vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.tied_lm_head = tie_embeddings
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -294,12 +308,14 @@ class VocabParallelEmbedding(nn.Module):
     evenly); a token outside them contributes zeros, and the ranks' lookups are summed. `scale`:
     a factor every embedding is multiplied by (Gemma's sqrt(hidden))."""
 
-    def __init__(self, num: int, dim: int, tp: TPGroup, scale: float | None = None) -> None:
+    def __init__(
+        self, num: int, dim: int, tp: TPGroup, scale: float | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.tp = num, dim, tp
         self.start, self.end = tp.shard(num)
-        self.weight = nn.Parameter(torch.empty(-(-num // tp.world), dim))
-        scale_t = None if scale is None else torch.tensor(scale)
+        self.weight = nn.Parameter(torch.empty(-(-num // tp.world), dim, dtype=dtype))
+        scale_t = None if scale is None else torch.tensor(scale, dtype=dtype)
         self.register_buffer("embed_scale", scale_t, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

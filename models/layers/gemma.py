@@ -31,16 +31,23 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class ScaledEmbedding(nn.Embedding):
-    def __init__(self, num: int, dim: int, scale: float) -> None:
-        super().__init__(num, dim)
-        self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+    def __init__(self, num: int, dim: int, scale: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(num, dim, dtype=dtype)
+        self.register_buffer("embed_scale", torch.tensor(scale, dtype=dtype), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_type: str,
+        ops: TorchOps,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         h, hd, world = config.hidden_size, config.head_dim, tp.world if tp is not None else 1
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -50,12 +57,12 @@ class GemmaAttention(nn.Module):
         )
         self.tp = tp
         bias = config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps, ops)
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps, ops)
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, ops, dtype)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, ops, dtype)
         self.scale = config.query_pre_attn_scalar**-0.5
         self.layer_type = layer_type
         self.window = config.sliding_window if layer_type == SLIDING else None
@@ -74,13 +81,13 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup | None = None) -> None:
+    def __init__(self, config, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         width = config.intermediate_size // (tp.world if tp is not None else 1)
         self.tp = tp
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False, dtype=dtype)
         self.act = ACT2FN[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,15 +96,22 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_type: str,
+        ops: TorchOps,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(config, layer_type, ops, tp)
-        self.mlp = GemmaMLP(config, tp)
+        self.self_attn = GemmaAttention(config, layer_type, ops, tp, dtype)
+        self.mlp = GemmaMLP(config, tp, dtype)
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
 
     def forward(self, x, rope, k_cache, v_cache, meta, backend):
         attn = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
@@ -110,8 +124,9 @@ class GemmaLM(nn.Module):
     `logits`, `head_dim`, `layers`."""
 
     def __init__(
-        self, config, tie_embeddings: bool, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None
-    ) -> None:
+        self, config, tie_embeddings: bool, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 text models with bidirectional attention are not supported")
@@ -122,17 +137,21 @@ class GemmaLM(nn.Module):
         self.tp, self.vocab_size = tp, config.vocab_size
         scale = config.hidden_size**0.5
         if tp is None:
-            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, scale)
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, scale, dtype)
         else:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, scale)
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, tp, scale, dtype
+            )
         self.layer_types = list(config.layer_types)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind, ops, tp) for kind in self.layer_types)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, kind, ops, tp, dtype) for kind in self.layer_types
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.rotary = nn.ModuleDict(
             {kind: Rotary(config, config.head_dim, layer_type=kind) for kind in sorted(set(self.layer_types))}
         )
         vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.tied_lm_head = tie_embeddings
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
