@@ -44,6 +44,12 @@ class ChatMessage(Struct):
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, earlier in the conversation
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    def __post_init__(self) -> None:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (null only in an assistant message with tool_calls)")
+
 
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 

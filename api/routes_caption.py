@@ -7,7 +7,6 @@ rendered with the model's chat template (like `mm-engine generate` and the batch
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import CaptionChunk, CaptionForm, CaptionResponse, usage_of
 from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
 from mm_engine.engine.async_types import ProcessedInputs
+from mm_engine.frontend.chat_messages import TemplateChat
 from mm_engine.frontend.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import RequestOutputKind
@@ -36,11 +36,9 @@ def process_caption(inputs: InputProcessor, prompt: str, images: list[bytes]) ->
         if inputs.image_token not in prompt:  # no template to place them: images go first
             prompt = " ".join([inputs.image_token] * len(images)) + " " + prompt
         return ProcessedInputs(*inputs.process({"prompt": prompt, "multi_modal_data": {"image": images}}))
-    # Any data: media type will do; images are identified by their content.
-    urls = ["data:image/*;base64," + base64.b64encode(b).decode() for b in images]
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
-    return ProcessedInputs(*inputs.chat(messages))
+    parts = [{"type": "image"} for _ in images]
+    chat = TemplateChat([{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}], images)
+    return ProcessedInputs(*inputs.chat(chat))
 
 
 @post(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +37,7 @@ from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import Usage, sum_usage, usage_of
 from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
 from mm_engine.api.tools import ToolPlan, delta_calls, message_calls, plan_tools
+from mm_engine.frontend.chat_messages import TemplateChat, template_call
 from mm_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mm_engine.vision.image_io import ImageError
 
@@ -47,8 +47,11 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 
 
-async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
-    """Plain dicts for the chat template; remote images fetched (when allowed) into data: URLs.
+async def to_engine_messages(
+    ctx: ServerContext, messages: list[ChatMessage]
+) -> tuple[TemplateChat, list[str]]:
+    """The validated messages as the chat template takes them, with their images: `data:` URLs as
+    sent (decoded in an input worker), remote images fetched (when allowed) as bytes.
 
     Also returns where each image came from, so an image error can name its field."""
     where = [
@@ -59,18 +62,13 @@ async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) ->
         if isinstance(part, ImagePart)
     ]
     check_image_count(len(where), ctx.settings, "messages")
-    out, k = [], 0
+    out, images = [], []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         extra = {}
         if m.tool_calls:
             extra["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": c.type,
-                    "function": {"name": c.function.name, "arguments": c.function.arguments},
-                }
-                for c in m.tool_calls
+                template_call(c.function.name, c.function.arguments, c.id) for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
             extra["tool_call_id"] = m.tool_call_id
@@ -83,14 +81,14 @@ async def to_engine_messages(ctx: ServerContext, messages: list[ChatMessage]) ->
                 parts.append({"type": "text", "text": part.text})
                 continue
             url = part.image_url.url
-            if url[:5].lower() != "data:":
-                with client_errors(where[k]):
-                    data = await ctx.fetcher.fetch(url)
-                url = "data:image/*;base64," + base64.b64encode(data).decode()
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-            k += 1
+            if url[:5].lower() == "data:":
+                images.append(url)
+            else:
+                with client_errors(where[len(images)]):
+                    images.append(await ctx.fetcher.fetch(url))
+            parts.append({"type": "image"})
         out.append({"role": role, "content": parts, **extra})
-    return out, where
+    return TemplateChat(out, images), where
 
 
 @post(

@@ -31,6 +31,7 @@ from mm_engine.engine.async_types import (
 )
 from mm_engine.engine.output_collector import OutputCollector
 from mm_engine.engine.streams import Command, Shared, Stream, Vitals
+from mm_engine.frontend.chat_messages import TemplateChat
 from mm_engine.frontend.input_lanes import InputLanes, input_weight
 from mm_engine.frontend.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
@@ -98,11 +99,14 @@ class AsyncEngine:
         work = lambda: ProcessedInputs(*self._inputs.process(prompt))  # noqa: E731
         return await self.run_in_worker(work, weight=self._weigh(prompt))
 
-    async def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedInputs:
-        """The same for OpenAI-style messages, through the model's chat template (which also
-        describes `tools`, when given)."""
+    async def process_chat(
+        self, messages: list[dict] | TemplateChat, tools: list[dict] | None = None
+    ) -> ProcessedInputs:
+        """The same for OpenAI-style messages (or the `TemplateChat` an HTTP route built), through
+        the model's chat template (which also describes `tools`, when given)."""
         work = lambda: ProcessedInputs(*self._inputs.chat(messages, None, tools))  # noqa: E731
-        return await self.run_in_worker(work, weight=self._weigh(messages))
+        held = (messages.messages, messages.images) if isinstance(messages, TemplateChat) else messages
+        return await self.run_in_worker(work, weight=self._weigh(held))
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, weight: int | None = None) -> Any:
         """Run CPU-bound input work (decoding, encoding, tokenizing) in a worker: a light one when

@@ -1,20 +1,33 @@
-"""OpenAI-style chat messages checked and turned into what a chat template takes: each image part
-becomes `{"type": "image"}` and its data URL is collected, in order. Every error names the
-message and part it is about."""
+"""OpenAI-style chat messages checked and turned into what a chat template takes (`TemplateChat`):
+each image part becomes `{"type": "image"}` and its image is collected, in order. Every error
+names the message and part it is about. The HTTP routes build a `TemplateChat` straight from the
+messages their schema already validated; the Python API's dicts are validated here."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mm_engine.vision.image_io import ImageError
 
 
-def to_template_messages(messages: Any) -> tuple[list[dict], list[str]]:
-    """The messages for the chat template, and the data URLs of their images in order. An
-    assistant message may carry `tool_calls` (its content then may be None) and a `tool` message
-    its `tool_call_id`; a call's JSON arguments reach the template as a dict, as templates expect."""
+@dataclass(slots=True)
+class TemplateChat:
+    """Messages as the chat template takes them, and their images in order: `data:` URLs or
+    encoded bytes (a fetched remote image), decoded in an input worker."""
+
+    messages: list[dict]
+    images: list[str | bytes]
+
+    def text_chars(self) -> int:
+        return sum(text_chars(m["content"]) for m in self.messages)
+
+
+def to_template_messages(messages: Any) -> TemplateChat:
+    """Validate the Python API's messages (dicts) into a `TemplateChat`. An assistant message may
+    carry `tool_calls` (its content then may be None) and a `tool` message its `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     converted, images = [], []
@@ -66,7 +79,7 @@ def to_template_messages(messages: Any) -> tuple[list[dict], list[str]]:
                     f"messages[{i}].content[{j}]: unsupported part type {kind!r}; use 'text' or 'image_url'"
                 )
         converted.append({"role": m["role"], "content": parts, **extra})
-    return converted, images
+    return TemplateChat(converted, images)
 
 
 def _template_call(call: Any, where: str) -> dict:
@@ -75,17 +88,24 @@ def _template_call(call: Any, where: str) -> dict:
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
     arguments = function.get("arguments", {})
+    if not isinstance(arguments, str | Mapping):
+        raise ValueError(f"{where}.function.arguments must be a JSON string or an object")
+    call_id = call.get("id")
+    return template_call(function["name"], arguments, call_id if isinstance(call_id, str) else None)
+
+
+def template_call(name: str, arguments: str | Mapping, call_id: str | None) -> dict:
+    """A tool call as chat templates take it: JSON arguments as a dict where they parse (as
+    templates expect), else as given."""
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
         except ValueError:
             parsed = None
         arguments = parsed if isinstance(parsed, dict) else arguments
-    elif not isinstance(arguments, Mapping):
-        raise ValueError(f"{where}.function.arguments must be a JSON string or an object")
-    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call_id is not None:
+        out["id"] = call_id
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import PIL.Image
 
 from mm_engine.core.structured_output import Grammars
-from mm_engine.frontend.chat_messages import text_chars, to_template_messages
+from mm_engine.frontend.chat_messages import TemplateChat, to_template_messages
 from mm_engine.models.interface import Processing
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
@@ -144,27 +144,29 @@ class InputProcessor:
 
     def chat(
         self,
-        messages: list[dict],
+        messages: list[dict] | TemplateChat,
         overrides: Mapping[str, Any] | None = None,
         tools: list[dict] | None = None,
     ) -> tuple[str, list[int], list[ImageSpan]]:
-        """OpenAI-style messages -> the chat template's prompt, its ids and the images in order.
-        `tools`: OpenAI function tools, for the template to describe (it must have a tool format)."""
+        """OpenAI-style messages (dicts, validated here, or a `TemplateChat` the HTTP route built
+        from messages it validated) -> the chat template's prompt, its ids and the images in
+        order. `tools`: OpenAI function tools, for the template to describe (it must have a tool
+        format)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if tools and self.tool_format is None:
             raise ValueError(
                 "tool calling is not supported for this model (no tool-call format for its family)"
             )
-        converted, images = to_template_messages(messages)
-        self.check_length(sum(text_chars(m["content"]) for m in converted) + len(json.dumps(tools or [])))
+        chat = messages if isinstance(messages, TemplateChat) else to_template_messages(messages)
+        self.check_length(chat.text_chars() + len(json.dumps(tools or [])))
         text = self.tokenizer.apply_chat_template(
-            converted, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
+            chat.messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
             tools=tools or None,
         )  # fmt: skip
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, *self.expand(ids, images, overrides)
+        return text, *self.expand(ids, chat.images, overrides)
 
 
 def find_chat_template(model_dir: Path, tokenizer) -> str | None:

@@ -159,6 +159,9 @@ def test_chat_with_an_allowed_remote_image_equals_the_same_image_inline(clip_lla
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": 5, "temperature": 0}
         return c.post("/v1/chat/completions", json=body)
 
+    seen = []  # what reaches the input worker: the fetched bytes themselves, not a data: URL of them
+    process_chat = llm.process_chat
+    llm.process_chat = lambda chat, tools=None: (seen.append(list(chat.images)), process_chat(chat, tools))[1]
     try:
         with TestClient(app) as c:
             remote = ask("http://img.example.com/cat.png")
@@ -167,6 +170,7 @@ def test_chat_with_an_allowed_remote_image_equals_the_same_image_inline(clip_lla
     finally:
         asyncio.run(llm.shutdown())
     assert remote.status_code == 200 and remote.json()["choices"] == inline.json()["choices"]
+    assert seen[0] == [PNG] and seen[1][0].startswith("data:image/png;base64,")
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "messages[0].content[0].image_url"
     assert "private or loopback" in refused.json()["error"]["message"]
