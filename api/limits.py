@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from mm_engine.api.errors import APIError
 from mm_engine.api.settings import ServerSettings
 from mm_engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputs
@@ -62,17 +64,7 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         raise APIError(400, message, param="logit_bias", code="invalid_value") from None
 
 
-def set_min_tokens(params: SamplingParams, min_tokens: int) -> None:
-    """`min_tokens`, checked against max_tokens once that is known."""
-    params.min_tokens = min_tokens
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
-
-
 def fit_max_tokens(
-    params: SamplingParams,
     requested: int | None,
     prompt_len: int,
     max_model_len: int,
@@ -80,7 +72,7 @@ def fit_max_tokens(
     param: str,
     prompt_param: str,
 ) -> None:
-    """Set `params.max_tokens`: the request's, if the context has room for it, else a 400."""
+    """The request's max_tokens if the context has room for it (else a 400), or the default."""
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(
@@ -90,26 +82,26 @@ def fit_max_tokens(
             param=prompt_param,
         )
     if requested is None:
-        params.max_tokens = min(settings.default_max_tokens, room)
-    elif requested > room:
+        return min(settings.default_max_tokens, room)
+    if requested > room:
         raise APIError(
             400,
             f"{param}={requested} is more than the {room} tokens left for the output "
             f"(max_model_len={max_model_len} minus {prompt_len} prompt tokens)",
             param=param,
         )
-    else:
-        params.max_tokens = requested
+    return requested
 
 
-def request_params(
+def request_fields(
     data, settings: ServerSettings, logprobs: int | None, structured: StructuredOutputs | None = None
-) -> SamplingParams:
-    """The sampling fields that chat and completions share (OpenAI's and vLLM's extras), as
-    `SamplingParams`; max_tokens and min_tokens are set once the prompt's length is known."""
+) -> dict[str, Any]:
+    """The sampling fields that chat and completions share (OpenAI's and vLLM's extras), checked
+    as far as they can be before the prompt is processed; `sampling_params(**fields, max_tokens=,
+    min_tokens=)` builds the request's params once its prompt's length is known."""
     if data.stream_options is not None and not data.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    return sampling_params(
+    return dict(
         n=data.n,
         temperature=data.temperature,
         top_p=data.top_p,

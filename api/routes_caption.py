@@ -66,7 +66,7 @@ async def create_caption(
     if not images:
         raise APIError(400, "at least one 'image' file part is required", param="image")
     check_image_count(len(images), settings, "image")
-    params = sampling_params(
+    fields = dict(
         temperature=data.temperature,
         top_p=data.top_p,
         seed=data.seed,
@@ -83,8 +83,9 @@ async def create_caption(
         raise APIError(400, str(exc), param="image", code="invalid_image") from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
-    fit_max_tokens(params, data.max_tokens, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
-                   settings, "max_tokens", "prompt")  # fmt: skip
+    max_tokens = fit_max_tokens(data.max_tokens, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
+                                settings, "max_tokens", "prompt")  # fmt: skip
+    params = sampling_params(**fields, max_tokens=max_tokens)
     rid = f"caption-{uuid.uuid4().hex}"
     gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
     head = _Head(rid, int(arrival), model)

@@ -15,8 +15,8 @@ from mm_engine.api.errors import APIError, client_errors
 from mm_engine.api.limits import (
     check_image_count,
     fit_max_tokens,
-    request_params,
-    set_min_tokens,
+    request_fields,
+    sampling_params,
     structured_outputs_of,
 )
 from mm_engine.api.openai_schemas import (
@@ -121,7 +121,7 @@ async def create_chat_completion(
             )
             raise APIError(400, message, param="tool_choice")
         structured = tools.structured
-    params = request_params(data, settings, (data.top_logprobs or 0) if data.logprobs else None, structured)
+    fields = request_fields(data, settings, (data.top_logprobs or 0) if data.logprobs else None, structured)
     ctx.llm.check_admission()
     messages, where = await to_engine_messages(ctx, data.messages)
     try:
@@ -131,10 +131,9 @@ async def create_chat_completion(
         param = where[k] if 0 <= k < len(where) else "messages"
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
     param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
-    fit_max_tokens(params, requested, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
-                   settings, param, "messages")  # fmt: skip
-    if data.min_tokens:
-        set_min_tokens(params, data.min_tokens)
+    max_tokens = fit_max_tokens(requested, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
+                                settings, param, "messages")  # fmt: skip
+    params = sampling_params(**fields, max_tokens=max_tokens, min_tokens=data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = [
         ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", data.priority, arrival)

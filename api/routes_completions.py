@@ -3,7 +3,6 @@ not), and vLLM's `POST /tokenize` and `POST /detokenize`."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from mm_engine.api.completions_schemas import (
 )
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import fit_max_tokens, request_params, set_min_tokens, structured_outputs_of
+from mm_engine.api.limits import fit_max_tokens, request_fields, sampling_params, structured_outputs_of
 from mm_engine.api.openai_schemas import ChatMessage
 from mm_engine.api.routes_chat import to_engine_messages
 from mm_engine.api.routes_common import error_responses, require_content_type
@@ -84,7 +83,7 @@ async def create_completion(
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
     prompts = _prompts(data.prompt)
-    base = request_params(data, settings, data.logprobs, structured_outputs_of(data))
+    fields = request_fields(data, settings, data.logprobs, structured_outputs_of(data))
     ctx.llm.check_admission()
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens, inputs_all = [], []
@@ -93,11 +92,9 @@ async def create_completion(
             inputs = await ctx.llm.process_prompt(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
-        params = dataclasses.replace(base)
-        fit_max_tokens(params, data.max_tokens, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
-                       settings, "max_tokens", "prompt")  # fmt: skip
-        if data.min_tokens:
-            set_min_tokens(params, data.min_tokens)
+        max_tokens = fit_max_tokens(data.max_tokens, len(inputs.token_ids), ctx.llm.model_info.max_model_len,
+                                    settings, "max_tokens", "prompt")  # fmt: skip
+        params = sampling_params(**fields, max_tokens=max_tokens, min_tokens=data.min_tokens)
         echoed = await _echo_text(ctx, inputs) if data.echo else ""
         for child in params.children():  # choice index: prompt i's sample j is i * n + j
             inputs_all.append(echoed)

@@ -21,7 +21,9 @@ class Admission:
     whole_images: bool  # an image's runs must be prefilled in one step (Gemma 3)
 
     def check(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
-        """Raise a ValueError naming the first limit the request breaks."""
+        """Raise a ValueError naming the first limit the request breaks. The params are checked
+        again here, at submission: they are a mutable dataclass a caller may have changed since
+        building them (a route builds and validates them once; this is the core's own check)."""
         params.validate()
         if len(ids) > self.max_model_len:
             raise ValueError(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import json as _json
 from dataclasses import dataclass, field
-from dataclasses import replace as _replace
 
 
 class RequestOutputKind(enum.Enum):
@@ -91,7 +91,13 @@ class SamplingParams:
         if self.n == 1:
             return [self]
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**64 for i in range(self.n)]
-        return [_replace(self, n=1, seed=s) for s in seeds]
+        return [self._child(s) for s in seeds]
+
+    def _child(self, seed: int | None) -> SamplingParams:
+        # Not re-validated: these params were, and n=1 with a 64-bit seed keeps them valid.
+        child = copy.copy(self)
+        child.n, child.seed = 1, seed
+        return child
 
     def validate(self) -> None:
         if not _integer(self.n) or not 1 <= self.n <= 128:
