@@ -29,27 +29,22 @@ class PixelLedger:
         """Bytes of these images' pixels the core holds already (for routing by affinity)."""
         return sum(self._held.get(span.content_hash, 0) for span in spans)
 
-    def encode(self, spans: list[ImageSpan]) -> tuple[list[ImageMsg], list[str]]:
-        """The images of one request as messages, and the hashes the core may now forget."""
-        msgs = []
+    def plan(self, spans: list[ImageSpan]) -> tuple[list[bool], list[str]]:
+        """Which of one request's images must carry their pixels (the core does not hold them),
+        and the hashes the core may now forget. Cheap: the copying is `image_messages`'."""
+        send = []
         for span in spans:
             size = span.pixel_values.numel() * span.pixel_values.element_size()
             key = span.content_hash
             if key in self._held:
                 self._held.move_to_end(key)
-                pixels = mask = None
                 self.saved_bytes += size
+                send.append(False)
             else:
-                pixels = TensorMsg.of(span.pixel_values)
-                mask = None if span.pixel_mask is None else TensorMsg.of(span.pixel_mask)
                 self._held[key] = size
                 self.used_bytes += size
                 self.sent_bytes += size
-            embed_mask = None if span.embed_mask is None else list(span.embed_mask)
-            grid = None if span.grid is None else list(span.grid)
-            msgs.append(
-                ImageMsg(span.offset, span.length, key, span.num_embeds, embed_mask, grid, pixels, mask)
-            )
+                send.append(True)
         keep = {span.content_hash for span in spans}
         forget = []
         for key in list(self._held):
@@ -58,7 +53,25 @@ class PixelLedger:
             if key not in keep:
                 self.used_bytes -= self._held.pop(key)
                 forget.append(key)
-        return msgs, forget
+        return send, forget
+
+
+def image_messages(spans: list[ImageSpan], send: list[bool]) -> list[ImageMsg]:
+    """The images of one request as messages, with their pixels where `send` says."""
+    msgs = []
+    for span, with_pixels in zip(spans, send, strict=True):
+        pixels = mask = None
+        if with_pixels:
+            pixels = TensorMsg.of(span.pixel_values)
+            mask = None if span.pixel_mask is None else TensorMsg.of(span.pixel_mask)
+        embed_mask = None if span.embed_mask is None else list(span.embed_mask)
+        grid = None if span.grid is None else list(span.grid)
+        msgs.append(
+            ImageMsg(
+                span.offset, span.length, span.content_hash, span.num_embeds, embed_mask, grid, pixels, mask
+            )
+        )
+    return msgs
 
 
 class PixelStore:
@@ -86,10 +99,11 @@ class PixelStore:
         return out
 
 
-def add_message(request: CoreRequest, ledger: PixelLedger, frontend: int = 0) -> Add:
-    """A request as the `Add` a core process takes, its images' pixels sent only where `ledger`
-    says that core does not hold them yet."""
-    images, forget = ledger.encode(request.images)
+def add_message(request: CoreRequest, plan: tuple[list[bool], list[str]], frontend: int = 0) -> Add:
+    """A request as the `Add` a core process takes, its images' pixels sent where the ledger's
+    `plan` for it says that core does not hold them yet."""
+    send, forget = plan
+    images = image_messages(request.images, send)
     eos = sorted(request.eos_token_ids)
     return Add(request.request_id, request.token_ids, images, request.params, eos, request.priority,
                request.arrival_time, forget, frontend)  # fmt: skip

@@ -90,7 +90,7 @@ class ProcessCore:
         self._backlog: list[str] = []  # refused for a full queue: sent again after the next step
 
     def add(self, request: CoreRequest) -> None:
-        add = add_message(request, self.pixels)
+        add = add_message(request, self.pixels.plan(request.images))
         self.process.send(add)  # not waiting for the answer: the core answers between its steps
         self._live[request.request_id] = add
 

@@ -1,11 +1,14 @@
 """The driver of engine cores in processes of their own, one or several (data parallelism).
 
-    event loops ── route, add/abort (under a lock) ──> CoreProcess.send ──ZMQ──> engine-core process
+    event loops ── route, add/abort (under a lock) ──> outbox thread: build, encode, send ──ZMQ──> core
     streams <── hand_out ── a reader thread per core: recv, detokenize, stop strings <──ZMQ──
 
 This process keeps what needs the tokenizer or talks to clients: input processing (worker
 threads, the async engine's), detokenization and stop strings (the reader threads, taking turns
-with the frontend's output processor under `_lock`), streaming. A core process only steps. With
+with the frontend's output processor under `_lock`), streaming. What is sent is decided under
+`_lock` (routing, which pixels the core lacks) and built and sent by one outbox thread, in order
+(engine/outbox.py): no pixels are copied on an event loop or under the lock. A core process only
+steps. With
 several cores each has the whole model and its own pools (routing: engine/cores.py). If a core
 dies, its running requests fail with EngineDeadError, the others go on serving, and it is
 restarted (at most `max_restarts` times; `restart=False` leaves it down); while no core is up, new
@@ -35,6 +38,7 @@ from mm_engine.engine.async_types import (
     EngineStepError,
 )
 from mm_engine.engine.cores import CoreHandle, route
+from mm_engine.engine.outbox import Outbox
 from mm_engine.engine.process_client import AttachedCore, CoreProcess
 from mm_engine.engine.stats import sum_stats
 from mm_engine.engine.streams import Command, Shared, Stream, hand_out
@@ -70,7 +74,8 @@ class CoreProcesses:
         self._cores = [
             CoreHandle(i, c, PixelLedger(pixel_bytes), stats=c.ready.stats) for i, c in enumerate(clients)
         ]
-        self._lock = threading.Lock()  # the output processor, the ledgers, the routing, the sends
+        self._lock = threading.Lock()  # the output processor, the ledgers, the routing, the outbox's order
+        self._outbox = Outbox(self._deliver)
         self._where: dict[str, CoreHandle] = {}  # request id -> its core
         self._rpcs: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
@@ -97,7 +102,8 @@ class CoreProcesses:
                 )
                 core.requests.add(cmd.request_id)
                 self._where[cmd.request_id] = core
-                core.client.send(add_message(request, core.pixels, self.frontend_index))
+                plan, index = core.pixels.plan(request.images), self.frontend_index
+                self._post(core, lambda: add_message(request, plan, index))
             stream.in_engine = True
         elif cmd.kind == "abort":
             with self._lock:
@@ -105,8 +111,7 @@ class CoreProcesses:
                 core = self._where.pop(cmd.request_id, None)
                 if core is not None:
                     core.requests.discard(cmd.request_id)
-                    if not core.down:
-                        core.client.send(m.Abort([cmd.request_id]))
+                    self._post(core, m.Abort([cmd.request_id]))
             if stream is not None and not stream.finished:
                 listener = self.shared.listener
                 if stream.in_engine and listener is not None:
@@ -117,7 +122,7 @@ class CoreProcesses:
                 self._stopping = True
                 for core in self._cores:
                     if core.client.alive and not self._attached:  # attached cores are not ours to stop
-                        core.client.send(m.Shutdown())
+                        self._post(core, m.Shutdown())
 
     async def kv_report(self) -> dict[str, dict]:
         """The first live core's report (each core has its own pools); `kv_reports` for all."""
@@ -131,7 +136,7 @@ class CoreProcesses:
                     continue
                 call_id = next(self._call_ids)
                 futures.append(self._rpcs.setdefault(call_id, concurrent.futures.Future()))
-                core.client.send(m.Rpc(call_id, "kv_report", self.frontend_index))
+                self._post(core, m.Rpc(call_id, "kv_report", self.frontend_index))
         if not futures:
             raise EngineDeadError("the engine is not running")
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
@@ -148,6 +153,22 @@ class CoreProcesses:
         for core in self._cores:
             if core.thread is not None:
                 core.thread.join()
+        self._outbox.close()
+
+    def _post(self, core: CoreHandle, msg: m.ToCore | Callable[[], m.ToCore]) -> None:
+        """Queue a message for `core` (call under `_lock`, which fixes the order); `msg` may be a
+        function that builds it on the outbox thread."""
+        if not core.down:
+            self._outbox.put((core, core.restarts, msg))
+
+    def _deliver(self, item: tuple) -> None:
+        """On the outbox thread: build and send, unless the core died (or was replaced) since."""
+        core, restarts, msg = item
+        with self._lock:
+            if core.down or core.restarts != restarts:
+                return
+            client = core.client
+        client.send(msg() if callable(msg) else msg)
 
     @staticmethod
     def _finish(stream: Stream | None, error: BaseException | None) -> None:
@@ -186,7 +207,7 @@ class CoreProcesses:
             with self._lock:
                 outputs, stopped = self.frontend.process_outputs(msg.outputs)
                 if stopped:  # stop strings ended them: the core must not generate more
-                    core.client.send(m.Abort(stopped))
+                    self._post(core, m.Abort(stopped))
                 for out in outputs:
                     if out.finished:
                         self._forget(out.request_id)

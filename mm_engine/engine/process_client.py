@@ -77,13 +77,16 @@ class _Link:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(in_addr)
         self._pull.bind(out_addr)
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the PUSH socket: sends, and closing it
+        self._open = True
         self._closed = False
 
     def send(self, msg: msgspec.Struct) -> None:
+        """Send `msg`; a link whose sockets are closed (its core died) drops it."""
         data = m.encode(msg)
         with self._send_lock:
-            self._push.send(data, copy=False)
+            if self._open:
+                self._push.send(data, copy=False)
 
     def recv(self, timeout_s: float) -> m.FromCore | None:
         """The next message from the core, or None when none came within `timeout_s`."""
@@ -92,7 +95,9 @@ class _Link:
         return m.decode_from_core(self._pull.recv(copy=False).buffer)
 
     def _close_sockets(self) -> None:
-        self._push.close(0)
+        with self._send_lock:
+            self._open = False
+            self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
 

@@ -6,6 +6,7 @@ saying why in the health check."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -17,6 +18,7 @@ from mm_engine import LLM, SamplingParams
 from mm_engine.api.app import create_app
 from mm_engine.api.settings import ServerSettings
 from mm_engine.core import messages as m
+from mm_engine.core import pixels
 from mm_engine.engine.async_client import AsyncMPLLM
 from mm_engine.engine.async_types import EngineDeadError
 
@@ -174,7 +176,14 @@ def test_messages_round_trip_tensors_of_every_dtype():
         assert back.dtype == t.dtype and torch.equal(back, t)
 
 
-def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_llama):
+def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_llama, monkeypatch):
+    built_on = set()  # which threads copy pixels into messages: the outbox's, never an event loop
+    image_messages = pixels.image_messages
+    monkeypatch.setattr(
+        pixels,
+        "image_messages",
+        lambda *a: (built_on.add(threading.current_thread().name), image_messages(*a))[1],
+    )
     prompts = [_image(1), _image(1, "describe it"), "USER: what is red ASSISTANT:", _image(2)]
     # Long enough that the first is still running when the others are routed (each core has a
     # CPU core of its own, so a short one could be over before).
@@ -220,6 +229,7 @@ def test_two_cores_route_by_load_and_image_and_one_dying_spares_the_other(clip_l
     assert len(stats["per_core"]) == 2
     assert stats["num_preemptions_total"] == sum(s["num_preemptions_total"] for s in stats["per_core"])
     assert after == expected[2]
+    assert built_on == {"mm-outbox"}
 
 
 def test_the_core_process_exits_when_its_frontend_is_killed(clip_llama, tmp_path):
