@@ -15,6 +15,7 @@ from helpers.api import chat_messages, data_url, image_bytes, metric
 from helpers.families import assert_all_free, greedy
 from mm_engine import LLM
 from mm_engine.api.app import create_app
+from mm_engine.api.metrics import Metrics
 from mm_engine.api.settings import ServerSettings
 from mm_engine.engine.async_client import AsyncMPLLM
 from mm_engine.jobs.caption import caption_images
@@ -37,7 +38,8 @@ def test_chat_and_caption_routes_answer_as_the_offline_engine(family):
     path, offline = family
     png = image_bytes(3, size=(90, 60))
     want = offline.chat(chat_messages(data_url(png), "what is this"), greedy(7))[0]
-    llm = AsyncMPLLM.from_engine_args(path, **ENGINE)  # the server's default: the core in a process
+    # The server's default: the core in a process, reporting to the app's metrics.
+    llm = AsyncMPLLM.from_engine_args(path, **ENGINE, listener=Metrics(128))
     try:
         with TestClient(create_app(llm, ServerSettings(served_model_names=["m"]))) as client:
             body = {"model": "m", "messages": chat_messages(data_url(png)), "max_tokens": 7, "temperature": 0}
