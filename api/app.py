@@ -4,15 +4,19 @@ The app does not own the engine: whoever made the `AsyncLLM` shuts it down (the 
 uvicorn returns), so tests can put several apps in front of one engine. The image limits are the
 engine's, given when it is built (`mm-engine serve` builds it with `settings.image_limits()`), and
 so is its metrics listener: the app serves the engine's `Metrics` at `/metrics` (an engine built
-without one gets a fresh registry whose request series stay at zero; only its gauges move).
+without one gets a fresh registry whose request series stay at zero, and a warning says so).
 """
 
 from __future__ import annotations
 
+import logging
+
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin, YamlRenderPlugin
 
+from mm_engine.api.access import access_middleware
 from mm_engine.api.context import ServerContext
 from mm_engine.api.errors import EXCEPTION_HANDLERS
 from mm_engine.api.media import MediaFetcher
@@ -25,6 +29,8 @@ from mm_engine.api.routes_misc import health, health_head, list_models, metrics,
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
 
+logger = logging.getLogger("mm_engine.api")
+
 ROUTES = [create_caption, create_chat_completion, create_completion, tokenize, detokenize, list_models,
           retrieve_model, health, health_head, metrics, playground]  # fmt: skip
 
@@ -34,7 +40,11 @@ def create_app(
 ) -> Litestar:
     settings = settings or ServerSettings()
     listener = llm.listener
-    metrics_ = listener if isinstance(listener, Metrics) else Metrics(llm.model_info.max_num_seqs)
+    if isinstance(listener, Metrics):
+        metrics_ = listener
+    else:
+        logger.warning("the engine was built without listener=Metrics(...): /metrics has no request series")
+        metrics_ = Metrics(llm.model_info.max_num_seqs)
     fetcher = fetcher or MediaFetcher(
         settings.allowed_media_domains,
         settings.max_image_bytes,
@@ -46,7 +56,7 @@ def create_app(
         route_handlers=ROUTES,
         state=State({"ctx": ctx}),
         exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[request_id_middleware],
+        middleware=[request_id_middleware, access_middleware(settings)],
         request_max_body_size=settings.max_body_bytes,
         # Parts beyond the images and the few text fields are refused while parsing.
         multipart_form_part_limit=settings.max_images_per_request + 16,
@@ -54,6 +64,8 @@ def create_app(
             title="mm-engine",
             version="0.1.0",
             description="Multimodal LLM serving: multipart captioning and OpenAI-compatible chat.",
+            # The schema as JSON and YAML only: the HTML viewers load their scripts from a CDN.
+            render_plugins=[JsonRenderPlugin(), YamlRenderPlugin()],
         ),
         on_shutdown=[fetcher.aclose],
         logging_config=None,  # the server (uvicorn) owns logging; Litestar's would reset it

@@ -7,13 +7,13 @@ from typing import Annotated, Any
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from mm_engine.api.openai_schemas import SamplingFields
+from mm_engine.api.openai_schemas import ChatMessage, SamplingFields
 from mm_engine.api.schemas import Usage
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     # A string, a list of strings (one choice each), a list of token ids, or a list of those.
-    prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=64)]
+    prompt: str | Annotated[list[Any], Meta(min_length=1, max_length=1_000_000)]
     best_of: Annotated[int, Meta(ge=1, le=128)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -53,12 +53,12 @@ class CompletionChunk(Struct):
     object: str = "text_completion"
 
 
-class TokenizeRequest(Struct):
+class TokenizeRequest(Struct, forbid_unknown_fields=True):
     """vLLM's: a `prompt`, or chat `messages` (then the chat template, image tokens expanded)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[Any] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -70,7 +70,7 @@ class TokenizeResponse(Struct):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(Struct):
+class DetokenizeRequest(Struct, forbid_unknown_fields=True):
     tokens: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1_000_000)]
     model: str | None = None
 

@@ -125,6 +125,11 @@ def _on_validation(request: Request, exc: ValidationException) -> Response:
     match = re.search(r" - at `\$\.?(.*)`$", detail)
     if match:
         detail, path = detail[: match.start()], match.group(1)
+    unknown = re.search(r"^Object contains unknown field `([^`]+)`", detail)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        message = f"'{path[:200]}' is not a parameter this server knows (it would otherwise be ignored)"
+        return error_response(APIError(400, message, param=path[:200], code="unknown_parameter"))
     missing = re.search(r"missing required field `([^`]+)`", detail)
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)
@@ -141,6 +146,11 @@ def _on_validation(request: Request, exc: ValidationException) -> Response:
 
 def _on_http(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
+    if exc.detail == "client disconnected prematurely":  # Litestar's words, mid-upload: not ours
+        logger.debug(
+            "client disconnected while sending %s (request %s)", request.url.path, _request_id(request)
+        )
+        return error_response(APIError(400, "client disconnected", code="client_disconnected"))
     if status >= 500:
         logger.error(
             "internal error on %s (request %s)", request.url.path, _request_id(request), exc_info=exc

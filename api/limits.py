@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mm_engine.api.errors import APIError
@@ -10,6 +11,8 @@ from mm_engine.sampling_params import RequestOutputKind, SamplingParams, Structu
 
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "frequency_penalty",
            "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")  # fmt: skip
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI documents no cap; vLLM has none)
+_TOKEN_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})", re.ASCII)
 # Below this a temperature only overflows the logits; it means greedy (vLLM does the same).
 GREEDY_BELOW = 1e-5
 
@@ -32,6 +35,18 @@ def check_stop(stop: str | list[str] | None, settings: ServerSettings) -> list[s
                 param="stop",
             )
     return stops
+
+
+def check_priority(priority: int, settings: ServerSettings) -> int:
+    """A request's `priority` if the operator lets clients set one (else only the default, 0)."""
+    if priority and not settings.allow_client_priority:
+        raise APIError(
+            400,
+            "priority is not set by clients on this server (its operator may allow it with "
+            "--allow-client-priority)",
+            param="priority",
+        )
+    return priority
 
 
 def check_image_count(n: int, settings: ServerSettings, param: str) -> None:
@@ -57,11 +72,14 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's `logit_bias` (token ids as JSON object keys) with integer keys; a 400 otherwise."""
     if not raw:
         return None
-    try:
-        return {int(k): float(v) for k, v in raw.items()}
-    except ValueError:
-        message = "logit_bias keys must be token ids"
-        raise APIError(400, message, param="logit_bias", code="invalid_value") from None
+    if len(raw) > MAX_LOGIT_BIAS:
+        message = f"logit_bias has {len(raw)} entries, more than {MAX_LOGIT_BIAS}"
+        raise APIError(400, message, param="logit_bias", code="invalid_value")
+    bad = next((k for k in raw if not _TOKEN_ID.fullmatch(k)), None)
+    if bad is not None:  # int() would take "1_0", " 7" or other scripts' digits
+        message = f"logit_bias keys must be token ids (decimal digits), got {bad[:40]!r}"
+        raise APIError(400, message, param="logit_bias", code="invalid_value")
+    return {int(k): float(v) for k, v in raw.items()}
 
 
 def fit_max_tokens(
@@ -114,6 +132,9 @@ def request_fields(
         repetition_penalty=data.repetition_penalty,
         min_p=data.min_p,
         logit_bias=logit_bias(data.logit_bias),
+        stop_token_ids=data.stop_token_ids,
+        skip_special_tokens=data.skip_special_tokens,
+        include_stop_str_in_output=data.include_stop_str_in_output,
         logprobs=logprobs,
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA if data.stream else RequestOutputKind.FINAL_ONLY,

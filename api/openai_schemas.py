@@ -6,37 +6,37 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from mm_engine.api.schemas import MaxTokens, Priority, Seed, TopP, Usage
+from mm_engine.api.schemas import MaxTokens, Priority, Seed, TokenId, TopP, Usage
 
 
-class ImageURL(Struct):
+class ImageURL(Struct, forbid_unknown_fields=True):
     url: str  # data:image/...;base64,...; http(s) only for hosts in --allowed-media-domains
     detail: str | None = None  # accepted for compatibility; images are always used at full detail
 
 
-class TextPart(Struct, tag_field="type", tag="text"):
+class TextPart(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
     text: str
 
 
-class ImagePart(Struct, tag_field="type", tag="image_url"):
+class ImagePart(Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
     image_url: ImageURL
 
 
 ContentPart = TextPart | ImagePart
 
 
-class CalledFunction(Struct):
+class CalledFunction(Struct, forbid_unknown_fields=True):
     name: str
     arguments: str  # the arguments object as JSON text
 
 
-class MessageToolCall(Struct):
+class MessageToolCall(Struct, forbid_unknown_fields=True):
     id: str
     function: CalledFunction
     type: Literal["function"] = "function"
 
 
-class ChatMessage(Struct):
+class ChatMessage(Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # OpenAI refuses `[]` too; None only for an assistant message that has tool_calls.
     content: str | Annotated[list[ContentPart], Meta(min_length=1)] | None = None
@@ -54,28 +54,28 @@ class ChatMessage(Struct):
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
-class FunctionDef(Struct):
+class FunctionDef(Struct, forbid_unknown_fields=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
 
-class ToolDef(Struct):
+class ToolDef(Struct, forbid_unknown_fields=True):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(Struct):
+class NamedFunction(Struct, forbid_unknown_fields=True):
     name: FunctionName
 
 
-class NamedToolChoice(Struct):
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(Struct):
+class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
@@ -87,19 +87,19 @@ class StructuredOutputsField(Struct, forbid_unknown_fields=True):
     grammar: str | None = None
 
 
-class JSONSchemaFormat(Struct):
+class JSONSchemaFormat(Struct, forbid_unknown_fields=True):
     name: str = "schema"
     schema: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(Struct):
+class ResponseFormat(Struct, forbid_unknown_fields=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class SamplingFields(Struct, kw_only=True):
+class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     """What chat and completions requests share: the model, sampling, streaming and the extras."""
 
     model: str | None = None
@@ -122,6 +122,11 @@ class SamplingFields(Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Image processor options for this request's images, over the server's (e.g. max_pixels).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # Structured output (vLLM's names): one of these, or chat's response_format.
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -141,6 +146,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Annotated[list[ToolDef], Meta(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Extra variables for the chat template (e.g. enable_thinking), as vLLM's.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AssistantMessage(Struct):

@@ -18,7 +18,13 @@ from litestar.params import Body
 
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import check_image_count, check_stop, fit_max_tokens, sampling_params
+from mm_engine.api.limits import (
+    check_image_count,
+    check_priority,
+    check_stop,
+    fit_max_tokens,
+    sampling_params,
+)
 from mm_engine.api.routes_common import error_responses, require_content_type
 from mm_engine.api.schemas import CaptionChunk, CaptionForm, CaptionResponse, usage_of
 from mm_engine.api.streaming import DONE, error_event, last_output, sse, sse_response
@@ -66,6 +72,7 @@ async def create_caption(
     if not images:
         raise APIError(400, "at least one 'image' file part is required", param="image")
     check_image_count(len(images), settings, "image")
+    priority = check_priority(data.priority, settings)
     fields = dict(
         temperature=data.temperature,
         top_p=data.top_p,
@@ -87,7 +94,7 @@ async def create_caption(
                                 settings, "max_tokens", "prompt")  # fmt: skip
     params = sampling_params(**fields, max_tokens=max_tokens)
     rid = f"caption-{uuid.uuid4().hex}"
-    gen = ctx.llm.generate(inputs, params, rid, data.priority, arrival)
+    gen = ctx.llm.generate(inputs, params, rid, priority, arrival)
     head = _Head(rid, int(arrival), model)
     with client_errors(None):
         if not data.stream:

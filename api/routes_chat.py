@@ -14,6 +14,7 @@ from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
 from mm_engine.api.limits import (
     check_image_count,
+    check_priority,
     fit_max_tokens,
     request_fields,
     sampling_params,
@@ -33,7 +34,7 @@ from mm_engine.api.openai_schemas import (
     TokenLogprob,
     TopLogprob,
 )
-from mm_engine.api.routes_common import error_responses, require_content_type
+from mm_engine.api.routes_common import error_responses, json_body
 from mm_engine.api.schemas import Usage, sum_usage, usage_of
 from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
 from mm_engine.api.tools import ToolPlan, delta_calls, message_calls, plan_tools
@@ -94,7 +95,7 @@ async def to_engine_messages(
 @post(
     "/v1/chat/completions",
     status_code=200,
-    before_request=require_content_type("application/json"),
+    before_request=json_body(ChatCompletionRequest),
     responses=error_responses(),
     summary="Chat completion (OpenAI-compatible)",
     description="With `stream=true` the answer is server-sent events of `chat.completion.chunk` "
@@ -111,6 +112,7 @@ async def create_chat_completion(
     settings = ctx.settings
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
+    priority = check_priority(data.priority, settings)
     requested = data.max_completion_tokens or data.max_tokens
     structured = structured_outputs_of(data, data.response_format)
     tools = plan_tools(data, ctx.llm.model_info.tool_format)
@@ -125,7 +127,9 @@ async def create_chat_completion(
     ctx.llm.check_admission()
     messages, where = await to_engine_messages(ctx, data.messages)
     try:
-        inputs = await ctx.llm.process_chat(messages, tools.tools)
+        inputs = await ctx.llm.process_chat(
+            messages, tools.tools, data.mm_processor_kwargs, data.chat_template_kwargs
+        )
     except ValueError as exc:
         k = exc.index if isinstance(exc, ImageError) and exc.index is not None else -1
         param = where[k] if 0 <= k < len(where) else "messages"
@@ -136,7 +140,7 @@ async def create_chat_completion(
     params = sampling_params(**fields, max_tokens=max_tokens, min_tokens=data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = [
-        ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", data.priority, arrival)
+        ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", priority, arrival)
         for j, child in enumerate(params.children())
     ]
     head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage),

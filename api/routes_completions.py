@@ -7,7 +7,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import msgspec
 from litestar import Request, post
 from litestar.params import JSONBody
 from msgspec import UNSET
@@ -25,13 +24,21 @@ from mm_engine.api.completions_schemas import (
 )
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
-from mm_engine.api.limits import fit_max_tokens, request_fields, sampling_params, structured_outputs_of
-from mm_engine.api.openai_schemas import ChatMessage
+from mm_engine.api.limits import (
+    check_priority,
+    fit_max_tokens,
+    request_fields,
+    sampling_params,
+    structured_outputs_of,
+)
 from mm_engine.api.routes_chat import to_engine_messages
-from mm_engine.api.routes_common import error_responses, require_content_type
+from mm_engine.api.routes_common import error_responses, json_body
 from mm_engine.api.schemas import Usage, sum_usage, usage_of
+from mm_engine.api.settings import ServerSettings
 from mm_engine.api.streaming import DONE, all_last, error_event, merged, sse, sse_response
+from mm_engine.frontend.detokenizer import IncrementalDetokenizer
 from mm_engine.outputs import CompletionOutput, RequestOutput
+from mm_engine.sampling_params import SamplingParams
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
@@ -45,27 +52,30 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
 
 
 def _is_id(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
 
 
-def _prompts(prompt: str | list) -> list[dict]:
-    """Each prompt as the engine takes it: a string, or token ids."""
+def _prompts(prompt: str | list, settings: ServerSettings) -> list[dict]:
+    """Each prompt as the engine takes it: a string, or token ids (a flat list is one prompt)."""
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
-    if all(isinstance(p, str) for p in prompt):
-        return [{"prompt": p} for p in prompt]
     if all(_is_id(t) for t in prompt):
         return [{"prompt_token_ids": prompt}]
+    if len(prompt) > settings.max_prompts_per_request:
+        most = settings.max_prompts_per_request
+        raise APIError(400, f"at most {most} prompts per request, got {len(prompt)}", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [{"prompt": p} for p in prompt]
     if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
         return [{"prompt_token_ids": p} for p in prompt]
-    raise APIError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
-                   param="prompt", code="invalid_value")  # fmt: skip
+    raise APIError(400, "prompt must be a string, a list of strings, token ids (0 to 2**31 - 1) or lists "
+                   "of token ids", param="prompt", code="invalid_value")  # fmt: skip
 
 
 @post(
     "/v1/completions",
     status_code=200,
-    before_request=require_content_type("application/json"),
+    before_request=json_body(CompletionRequest),
     responses=error_responses(),
     summary="Text completion (OpenAI-compatible, legacy)",
     description="A prompt string, token ids, or a list of either (one choice each, `index` in "
@@ -82,7 +92,14 @@ async def create_completion(
     settings = ctx.settings
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
-    prompts = _prompts(data.prompt)
+    priority = check_priority(data.priority, settings)
+    prompts = _prompts(data.prompt, settings)
+    if len(prompts) * data.n > settings.max_sequences_per_request:
+        message = (f"{len(prompts)} prompts x n={data.n} is {len(prompts) * data.n} sequences, more than "
+                   f"{settings.max_sequences_per_request} per request")  # fmt: skip
+        raise APIError(400, message, param="n")
+    if data.mm_processor_kwargs is not None:
+        prompts = [{**p, "mm_processor_kwargs": data.mm_processor_kwargs} for p in prompts]
     fields = request_fields(data, settings, data.logprobs, structured_outputs_of(data))
     ctx.llm.check_admission()
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -100,7 +117,7 @@ async def create_completion(
             inputs_all.append(echoed)
             gens.append((inputs, child))
     echo = inputs_all
-    streams = [ctx.llm.generate(x, p, f"{rid}-{i}", data.priority, arrival) for i, (x, p) in enumerate(gens)]
+    streams = [ctx.llm.generate(x, p, f"{rid}-{i}", priority, arrival) for i, (x, p) in enumerate(gens)]
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     head = _Head(rid, int(arrival), model, include_usage, echo, data.logprobs, data.n)
     with client_errors(None):
@@ -116,11 +133,17 @@ async def create_completion(
 
 
 async def _token_offsets(ctx: ServerContext, ids: list[int], start: int) -> list[int]:
-    """Where each token's text starts in the choice's text: the length of the text before it."""
+    """Where each token's text starts in the choice's text: the length of the text before it,
+    decoded incrementally (a token that ends a split character starts where the character does)."""
     tokenizer = ctx.llm.inputs.tokenizer
 
     def offsets() -> list[int]:
-        return [start + len(tokenizer.decode(ids[:j], skip_special_tokens=True)) for j in range(len(ids))]
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(max_tokens=1))
+        out, length = [], start
+        for token in ids:
+            out.append(length)
+            length += len(detok.step([token]))
+        return out
 
     return await ctx.llm.run_in_worker(offsets, weight=len(ids))
 
@@ -206,7 +229,7 @@ async def _events(
     yield DONE
 
 
-@post("/tokenize", status_code=200, before_request=require_content_type("application/json"),
+@post("/tokenize", status_code=200, before_request=json_body(TokenizeRequest),
       responses=error_responses(), summary="Tokenize a prompt or chat messages (vLLM's)",
       description="A `prompt`, or `messages` through the chat template (image tokens expanded).",
       operation_id="tokenize", tags=["vllm"])  # fmt: skip
@@ -216,16 +239,13 @@ async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> Tokeniz
     if (data.prompt is None) == (data.messages is None):
         raise APIError(400, "send either prompt or messages", param="prompt")
     if data.messages is not None:
-        try:
-            messages = msgspec.convert(data.messages, list[ChatMessage])
-        except msgspec.ValidationError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        engine_messages, _ = await to_engine_messages(ctx, messages)
+        engine_messages, _ = await to_engine_messages(ctx, data.messages)
         with client_errors("messages"):
             ids = (await ctx.llm.process_chat(engine_messages)).token_ids
     else:
         tokenizer, text = ctx.llm.inputs.tokenizer, data.prompt
-        ctx.llm.inputs.check_length(len(text))
+        with client_errors("prompt"):
+            ctx.llm.inputs.check_length(len(text))
         special = data.add_special_tokens
         ids = await ctx.llm.run_in_worker(lambda: tokenizer(text, add_special_tokens=special)["input_ids"])
     strs = None
@@ -235,7 +255,7 @@ async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> Tokeniz
     return TokenizeResponse(len(ids), ctx.llm.model_info.max_model_len, ids, strs)
 
 
-@post("/detokenize", status_code=200, before_request=require_content_type("application/json"),
+@post("/detokenize", status_code=200, before_request=json_body(DetokenizeRequest),
       responses=error_responses(), summary="Token ids back to text (vLLM's)", operation_id="detokenize",
       tags=["vllm"])  # fmt: skip
 async def detokenize(request: Request, data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:

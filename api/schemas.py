@@ -16,6 +16,7 @@ Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1, description="lower is served first")]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 class ErrorDetail(Struct):
@@ -88,7 +89,7 @@ class HealthResponse(Struct):
     api_server: int = 0  # which API server answered (--api-server-count)
 
 
-class CaptionForm(Struct):
+class CaptionForm(Struct, forbid_unknown_fields=True):
     """`multipart/form-data` fields of `POST /v1/caption`; `image` may be repeated."""
 
     image: list[UploadFile]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -49,6 +50,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-strings", type=int, default=_D.max_stop_strings)
     g.add_argument("--max-stop-length", type=int, default=_D.max_stop_length)
     g.add_argument("--default-max-tokens", type=int, default=_D.default_max_tokens)
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=_D.max_prompts_per_request,
+        help="prompts in one /v1/completions request",
+    )
+    g.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=_D.max_sequences_per_request,
+        help="prompts x n in one request (each is a sequence in the engine)",
+    )
     g.add_argument("--default-caption-prompt", default=_D.default_caption_prompt)
     g.add_argument("--header-timeout", type=float, default=_D.header_timeout,
                    help="seconds a client may take to send a request's head (then 408, closed)")  # fmt: skip
@@ -57,6 +70,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=_D.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM")  # fmt: skip
     g.add_argument("--health-stall-timeout", type=float, default=_D.health_stall_timeout)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("MM_ENGINE_API_KEY"),
+        help="clients must send 'Authorization: Bearer <key>' on every route but /health "
+        "and the playground page (default: $MM_ENGINE_API_KEY; none: no key)",
+    )
+    g.add_argument("--api-key-metrics", action="store_true", help="/metrics needs the API key too")
+    g.add_argument(
+        "--allow-client-priority",
+        action="store_true",
+        help="honour a request's `priority` (else a request that sets one is refused)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=[],
+        help="Host names the server answers for (default: any); against DNS rebinding",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="other sites (https://app.example.com) whose pages may post to this server",
+    )
     g.add_argument("--engine-core", choices=["process", "thread"], default="process",
                    help="run the engine core in a process of its own (default), or on a thread of "
                    "the server's process")  # fmt: skip
@@ -109,7 +146,19 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         health_stall_timeout=args.health_stall_timeout,
         input_workers=args.input_workers,
         light_input_bytes=args.light_input_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_sequences_per_request=args.max_sequences_per_request,
+        api_key=args.api_key or None,
+        api_key_metrics=args.api_key_metrics,
+        allow_client_priority=args.allow_client_priority,
+        allowed_hosts=tuple(_listed(args.allowed_hosts)),
+        allowed_origins=tuple(_listed(args.allowed_origins)),
     )
+
+
+def _listed(entries: list[str]) -> list[str]:
+    """`a b,c` -> [a, b, c]: a list flag takes spaces or commas."""
+    return [x.strip() for entry in entries for x in entry.split(",") if x.strip()]
 
 
 def _model_name(model: str | None) -> str:

@@ -36,6 +36,13 @@ class ServerSettings:
     input_workers: int = 2  # threads that tokenize and decode images
     light_input_bytes: int = LIGHT_INPUT_BYTES  # inputs this small have workers of their own
     api_server_index: int = 0  # which of the API servers this is (--api-server-count)
+    max_prompts_per_request: int = 64  # /v1/completions: prompts in one request
+    max_sequences_per_request: int = 128  # prompts x n in one request
+    api_key: str | None = None  # when set, every route but /health and the playground needs it
+    api_key_metrics: bool = False  # /metrics needs the key too
+    allow_client_priority: bool = False  # else a request that sets `priority` is refused
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered (empty: any), against DNS rebinding
+    allowed_origins: tuple[str, ...] = ()  # other sites' origins whose browsers may post to us
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -50,6 +57,8 @@ class ServerSettings:
             "default_max_tokens",
             "input_workers",
             "light_input_bytes",
+            "max_prompts_per_request",
+            "max_sequences_per_request",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -78,6 +87,10 @@ class ServerSettings:
         if unknown or not self.allowed_image_formats:
             raise ValueError(f"allowed_image_formats has unknown format(s): {', '.join(unknown) or 'none'}")
         self.allowed_media_domains = tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
+        self.allowed_origins = tuple(o.strip().lower().rstrip("/") for o in self.allowed_origins if o.strip())
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(

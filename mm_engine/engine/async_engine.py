@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 from mm_engine.engine.async_types import (
@@ -100,11 +100,16 @@ class AsyncEngine:
         return await self.run_in_worker(work, weight=self._weigh(prompt))
 
     async def process_chat(
-        self, messages: list[dict] | TemplateChat, tools: list[dict] | None = None
+        self,
+        messages: list[dict] | TemplateChat,
+        tools: list[dict] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedInputs:
         """The same for OpenAI-style messages (or the `TemplateChat` an HTTP route built), through
-        the model's chat template (which also describes `tools`, when given)."""
-        work = lambda: ProcessedInputs(*self._inputs.chat(messages, None, tools))  # noqa: E731
+        the model's chat template (which also describes `tools`, when given); `overrides`: image
+        processor options; `template_kwargs`: extra template variables."""
+        work = lambda: ProcessedInputs(*self._inputs.chat(messages, overrides, tools, template_kwargs))  # noqa: E731
         held = (messages.messages, messages.images) if isinstance(messages, TemplateChat) else messages
         return await self.run_in_worker(work, weight=self._weigh(held))
 

@@ -100,7 +100,7 @@ def template_call(name: str, arguments: str | Mapping, call_id: str | None) -> d
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to be arguments
             parsed = None
         arguments = parsed if isinstance(parsed, dict) else arguments
     out = {"type": "function", "function": {"name": name, "arguments": arguments}}

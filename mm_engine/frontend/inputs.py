@@ -147,11 +147,12 @@ class InputProcessor:
         messages: list[dict] | TemplateChat,
         overrides: Mapping[str, Any] | None = None,
         tools: list[dict] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int], list[ImageSpan]]:
         """OpenAI-style messages (dicts, validated here, or a `TemplateChat` the HTTP route built
         from messages it validated) -> the chat template's prompt, its ids and the images in
         order. `tools`: OpenAI function tools, for the template to describe (it must have a tool
-        format)."""
+        format); `template_kwargs`: extra variables for the template (`enable_thinking`)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if tools and self.tool_format is None:
@@ -160,13 +161,24 @@ class InputProcessor:
             )
         chat = messages if isinstance(messages, TemplateChat) else to_template_messages(messages)
         self.check_length(chat.text_chars() + len(json.dumps(tools or [])))
+        extra = dict(template_kwargs or {})
+        taken = sorted(set(extra) & _TEMPLATE_OWN)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
         text = self.tokenizer.apply_chat_template(
             chat.messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True,
-            tools=tools or None,
+            tools=tools or None, **extra,
         )  # fmt: skip
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, *self.expand(ids, chat.images, overrides)
+
+
+# apply_chat_template's own arguments and what the template is given anyway: not a client's to set.
+_TEMPLATE_OWN = frozenset({"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+                           "tools", "documents", "continue_final_message", "return_dict",
+                           "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+                           "max_length", "return_tensors"})  # fmt: skip
 
 
 def find_chat_template(model_dir: Path, tokenizer) -> str | None:

@@ -105,7 +105,7 @@ def test_tokenize_and_detokenize(served, offline):
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ("/v1/completions", {"prompt": [10**8]}, "prompt"),
-        ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
         ("/detokenize", {"tokens": [10**8]}, "tokens"),
     ],
 )

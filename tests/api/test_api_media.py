@@ -161,7 +161,7 @@ def test_chat_with_an_allowed_remote_image_equals_the_same_image_inline(clip_lla
 
     seen = []  # what reaches the input worker: the fetched bytes themselves, not a data: URL of them
     process_chat = llm.process_chat
-    llm.process_chat = lambda chat, tools=None: (seen.append(list(chat.images)), process_chat(chat, tools))[1]
+    llm.process_chat = lambda chat, *rest: (seen.append(list(chat.images)), process_chat(chat, *rest))[1]
     try:
         with TestClient(app) as c:
             remote = ask("http://img.example.com/cat.png")
