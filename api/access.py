@@ -18,7 +18,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from mm_engine.api.errors import APIError, error_body
 from mm_engine.api.settings import ServerSettings
 
-_OPEN = {"/health", "/playground"}  # never need the key
+_OPEN = {"/health", "/"}  # never need the key: the health check and the playground page
 _SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
 
 

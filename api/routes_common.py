@@ -52,9 +52,9 @@ def json_body(model: type[msgspec.Struct]) -> Callable[[Request], Awaitable[None
         try:
             body = await request.json()
         except SerializationException:
-            raise APIError(400, "the request body is not valid JSON") from None
+            return  # not JSON at all: Litestar says so as it parses the body
         if body is None:
-            return  # Litestar says so, naming it
+            return  # no body: the same
         try:
             msgspec.convert(body, model, strict=True)
         except msgspec.ValidationError as exc:

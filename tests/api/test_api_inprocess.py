@@ -156,17 +156,19 @@ def test_text_only_chat_and_stop_string(client, ref):
     assert full.startswith(choice["message"]["content"])
 
 
-def test_priority_reaches_the_engine(client, llm, monkeypatch):
+def test_priority_reaches_the_engine_when_the_operator_allows_it(llm, monkeypatch):
     _in_process(llm)
     seen = []
     add = llm.engine.add_processed
     monkeypatch.setattr(llm.engine, "add_processed", lambda *a, **k: (seen.append(a[-1]), add(*a, **k))[1])
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -5}
-    assert client.post("/v1/chat/completions", json=body).status_code == 200
-    r = client.post(
-        "/v1/caption", files=[("image", ("a", image_bytes(1)))], data={"max_tokens": "2", "priority": "7"}
-    )
-    assert r.status_code == 200
+    settings = ServerSettings(served_model_names=["tiny"], allow_client_priority=True)
+    with TestClient(create_app(llm, settings)) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        r = client.post(
+            "/v1/caption", files=[("image", ("a", image_bytes(1)))], data={"max_tokens": "2", "priority": "7"}
+        )
+        assert r.status_code == 200
     assert seen == [-5, 7]
 
 

@@ -41,7 +41,8 @@ CAPTION_PROMPT = "Describe the image."
 @pytest.fixture(scope="module")
 def server(clip_llama):
     flags = ["--served-model-name", MODEL, "--max-body-bytes", "262144", "--max-images-per-request", "2",
-             "--shutdown-timeout", "120", "--default-max-tokens", "8", "--header-timeout", "2"]  # fmt: skip
+             "--shutdown-timeout", "120", "--default-max-tokens", "8", "--header-timeout", "2",
+             "--allow-client-priority"]  # fmt: skip
     with run_server(clip_llama, *flags) as s:
         yield s
 
