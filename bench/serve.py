@@ -64,9 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-concurrency", "--concurrency", type=int, default=8, help="requests in flight at most"
     )
-    p.add_argument("--compare-engine-core", action="store_true",
-                   help="replay the trace four times, `--engine-core thread` (the core in the "
-                   "server's process) and `process` (its own) in ABBA order, and compare them")  # fmt: skip
+    p.add_argument(
+        "--compare-engine-core",
+        action="store_true",
+        help="replay the trace four times, `--engine-core thread` (the core in the "
+        "server's process) and `process` (its own) in ABBA order, and compare them",
+    )
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                   help="two sets of extra server flags (e.g. '--no-decode-first' ''): the trace "
+                   "four times, A B B A, compared")  # fmt: skip
     p.add_argument("--caption-fraction", type=float, default=0.5)
     p.add_argument("--shared-image-fraction", type=float, default=0.3)
     p.add_argument("--max-output-tokens", type=int, default=128, help="cap on the drawn output lengths")
@@ -262,16 +268,25 @@ def main(argv: list[str] | None = None) -> int:
     trace, n_images = make_trace(args)
     pngs = png_bytes(n_images, args.seed)
     base_flags = args.server_args
+    configs = None
+    if args.compare_engine_core:
+        configs = {"thread": "--engine-core thread", "process": "--engine-core process"}
+    elif args.compare:
+        configs = {(flags.strip() or "default"): flags for flags in args.compare}
+        if len(configs) != 2:
+            print("bench.serve: error: --compare needs two different sets of flags", file=sys.stderr)
+            return 2
     try:
-        if args.compare_engine_core:
-            results: dict[str, list[dict]] = {"thread": [], "process": []}
-            for mode in ("thread", "process", "process", "thread"):  # ABBA: drift hits both alike
-                args.server_args = f"{base_flags} --engine-core {mode}"
-                results[mode].append(run_once(args, trace, pngs, n_images))
+        if configs:
+            a, b = configs
+            results: dict[str, list[dict]] = {a: [], b: []}
+            for label in (a, b, b, a):  # ABBA: drift hits both alike
+                args.server_args = f"{base_flags} {configs[label]}"
+                results[label].append(run_once(args, trace, pngs, n_images))
             result = {
                 "runs": results,
-                "comparison": compare(results),
-                "machine": results["thread"][0]["machine"],
+                "comparison": compare(results, a, b),
+                "machine": results[a][0]["machine"],
             }
         else:
             result = run_once(args, trace, pngs, n_images)

@@ -1,27 +1,33 @@
-"""bench.serve --compare-engine-core: the same trace against the engine core on a thread and in its
-own process, runs in ABBA order, compared by the mean of each mode's runs."""
+"""bench.serve --compare A B (and --compare-engine-core, its thread/process case): the same trace
+against two server configurations, runs in ABBA order, compared by the mean of each one's runs."""
 
 from __future__ import annotations
 
-COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+            "max_itl_ms")  # fmt: skip
+BY_KIND = ("median_ttft_ms", "p99_ttft_ms", "p99_itl_ms")
 
 
-def compare(results: dict[str, list[dict]]) -> dict:
-    """Thread against process on the same trace: each figure (the mean over that mode's runs),
-    and process / thread."""
+def compare(results: dict[str, list[dict]], a: str = "thread", b: str = "process") -> dict:
+    """Configuration `b` against `a` on the same trace: each figure (the mean over that one's
+    runs), overall and per modality, and b / a."""
 
-    def mean(mode: str, key: str) -> float | None:
-        values = [r["metrics"]["overall"].get(key) for r in results[mode]]
-        return None if any(v is None for v in values) else sum(values) / len(values)
+    def mean(label: str, group: str, key: str) -> float | None:
+        values = [r["metrics"].get(group, {}).get(key) for r in results[label]]
+        return None if not values or any(v is None for v in values) else sum(values) / len(values)
 
-    runs = len(results["thread"])
-    print(f"\n## engine core on a thread vs in its own process (same trace, {runs} runs each, ABBA)\n")
-    print("| metric | thread | process | process / thread |\n|---|---:|---:|---:|")
+    runs = len(results[a])
+    print(f"\n## {a!r} vs {b!r} (same trace, {runs} runs each, ABBA)\n")
+    print(f"| metric | {a} | {b} | {b} / {a} |\n|---|---:|---:|---:|")
     rows = {}
-    for key in COMPARED:
-        a, b = mean("thread", key), mean("process", key)
-        ratio = b / a if a and b is not None else None
-        rows[key] = {"thread": a, "process": b, "ratio": ratio}
-        cells = f"{a:.2f} | {b:.2f} | {ratio:.3f}" if ratio is not None else "- | - | -"
-        print(f"| {key} | {cells} |")
+    cells = [("overall", key) for key in COMPARED] + [(g, k) for g in ("caption", "chat") for k in BY_KIND]
+    for group, key in cells:
+        x, y = mean(a, group, key), mean(b, group, key)
+        if x is None and y is None:
+            continue
+        ratio = y / x if x and y is not None else None
+        name = key if group == "overall" else f"{group} {key}"
+        rows[name] = {a: x, b: y, "ratio": ratio}
+        text = f"{x:.2f} | {y:.2f} | {ratio:.3f}" if ratio is not None else "- | - | -"
+        print(f"| {name} | {text} |")
     return rows

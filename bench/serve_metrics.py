@@ -59,6 +59,7 @@ def _summary(name: str, seconds: list[float], percentiles: Sequence[float]) -> d
         f"mean_{name}_ms": float(ms.mean()) if ms.size else None,
         f"median_{name}_ms": float(np.median(ms)) if ms.size else None,
         f"std_{name}_ms": float(ms.std()) if ms.size else None,
+        f"max_{name}_ms": float(ms.max()) if ms.size else None,
     }
     for p in percentiles:
         stats[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else None

@@ -122,6 +122,7 @@ class EngineCore(OverlappedSteps):
             self.swap,
             config.max_waiting_requests,
             whole_images=self.model.bidirectional_images,
+            decode_first=config.decode_first,
         )
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"

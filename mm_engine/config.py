@@ -49,6 +49,10 @@ class EngineConfig:
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
     max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less
     preemption_margin: float = 1.0  # rank a waiting request must beat a running one by to preempt it
+    # Each step sets aside a token for every running decode before better-ranked prefills are
+    # admitted (vLLM's order); False: strict rank order, where a new image prefill may take the
+    # whole step and running streams wait for it.
+    decode_first: bool = True
     preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True

@@ -2,7 +2,10 @@
 
 Each step walks running and waiting requests together in rank order (the policy's rank; running
 requests are ranked once, when admitted, and waiting ones are taken lazily from the waiting queue,
-so a step costs what it looks at, not the length of the queue):
+so a step costs what it looks at, not the length of the queue). Decodes come first: before the walk,
+one token of the budget is set aside for every running request that is decoding, so better-ranked
+prefills (a new image request, image-first) never take a running stream's next token; only
+preemption (below) can, and a preempted request's token goes back to the budget.
 - a running request gets its next chunk (a decode is one token); when its pool has no block left,
   running requests ranked below it that are not yet scheduled this step are preempted, the fewest
   lowest-ranked ones that free blocks of the pool that is short (victims.py), else it waits itself;
@@ -72,6 +75,7 @@ class _Pass:
     # (ranked below them) about to compute the same block waits for it to land in the prefix cache.
     in_flight: set[bytes] = field(default_factory=set)
     admitting: str | None = None  # a swapped request being admitted (see _admit)
+    reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
 
 
 class Scheduler:
@@ -86,6 +90,7 @@ class Scheduler:
         swap: HostSwap | None = None,
         max_waiting_requests: int = 10_000,
         whole_images: bool = False,
+        decode_first: bool = True,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
@@ -96,6 +101,7 @@ class Scheduler:
         self.swap = swap  # None: preemption recomputes
         self.max_waiting_requests = max_waiting_requests
         self.whole_images = whole_images
+        self.decode_first = decode_first
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []  # in rank order at the start of each step
         self._ranks: dict[str, tuple] = {}  # running request id -> its rank (fixed once admitted)
@@ -121,12 +127,16 @@ class Scheduler:
         ranks = self._ranks
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         running = list(self.running)
+        for req in running if self.decode_first else ():
+            if len(p.reserved) < p.budget and req.num_tokens - req.num_computed_tokens == 1:
+                p.reserved.add(req.request_id)
+        p.budget -= len(p.reserved)
         waiting = self.waiting.in_rank_order(now)
         try:
             nxt = next(waiting, None)
             nxt_rank = None if nxt is None else self.policy.rank(nxt, now)
             i = 0
-            while p.budget > 0 and (i < len(running) or nxt is not None):
+            while (p.budget > 0 or p.reserved) and (i < len(running) or nxt is not None):
                 if i < len(running) and running[i].request_id in p.preempted:
                     i += 1  # preempted earlier in this step: it waits at least one step
                     continue
@@ -137,12 +147,20 @@ class Scheduler:
                     else:
                         nxt = None  # waiting requests never overtake each other
                     continue
+                self._release(running[i], p)  # its set-aside token, to take now
                 self._schedule_running(running[i], p)
                 i += 1
         finally:
             waiting.close()  # what was looked at but stays waiting goes back into the queue
             batch.copies = self.blocks.take_copies()  # the partial prompt blocks copied on admission
         return batch
+
+    @staticmethod
+    def _release(req: Request, p: _Pass) -> None:
+        """Give a decode's set-aside token back to the budget (to take it, or because it left)."""
+        if req.request_id in p.reserved:
+            p.reserved.discard(req.request_id)
+            p.budget += 1
 
     def _chunk(self, req: Request, p: _Pass) -> tuple[int, int]:
         """Tokens this request may compute now, and the image tokens to encode for them."""
@@ -302,6 +320,7 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.add(req)
         if p is not None:
+            self._release(req, p)
             p.preempted.add(req.request_id)
             p.batch.preempted.append(req)
 

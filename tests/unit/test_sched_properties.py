@@ -58,6 +58,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             swap,
             max_waiting_requests=50,
         )
+        self.budget = budget
         self.now = 0.0
         self.seq = 0
         self.live: dict[str, Request] = {}
@@ -99,7 +100,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
     def step(self, dt):
         self.now += dt
+        decoding = [r.request_id for r in self.sched.running if r.num_tokens - r.num_computed_tokens == 1]
         batch = self.sched.schedule(self.now)
+        if len(decoding) <= self.budget:  # decodes first: each gets its token unless preempted
+            given = {r.request_id for r, _ in batch.items} | {r.request_id for r in batch.preempted}
+            assert set(decoding) <= given, "a running decode got no token"
         ranks = {r.request_id: self.policy.rank(r, self.now) for r in self.live.values()}
         scheduled = {r.request_id for r, _ in batch.items}
         for w in self.sched.waiting:
