@@ -138,7 +138,9 @@ class EngineCore(OverlappedSteps):
         self._seq = itertools.count()
         self.device_lost = False  # set by a step that failed with a device fault
         self.launcher = make_launcher(config, self.runner, self.sampler, self.device)
-        self.grammars = Grammars(lambda: AutoTokenizer.from_pretrained(path), emb.num_embeddings)
+        self.grammars = Grammars.for_config(
+            config, lambda: AutoTokenizer.from_pretrained(path), emb.num_embeddings
+        )
         self._compiling = GrammarWaitlist(self.grammars)  # structured requests, grammar not ready
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._carry: list[CoreOutput] = []  # outputs read before a step failed: the next step's

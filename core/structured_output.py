@@ -1,13 +1,16 @@
 """Structured output with xgrammar: a request's grammar (JSON schema, any JSON object, regex,
 choice, EBNF) masks the logits of every token it samples.
 
-    Grammars.submit(spec) -> compiled (cached by spec, LRU; on a thread of its own)
+    Grammars.submit(spec) -> compiled (cached by spec, LRU, bounded by bytes; on a thread of its own)
     GrammarState: fill(bitmask row) before a sample, accept(token) after it
 
 Compilation is the costly part (it walks the vocabulary) and runs off the engine's step: the core
-holds a request back until its grammar is ready. The mask of a step's row needs every earlier
-token accepted, so with async scheduling such a step first reads the step in flight (as the
-penalties do). A spec that xgrammar cannot compile is a ValueError naming it.
+holds a request back until its grammar is ready. A spec over the limits (core/grammar_limits.py) is
+refused before it is compiled, and a compiled grammar that no token of the vocabulary can begin
+(it accepts nothing, or nothing this vocabulary spells) is refused rather than run to max_tokens.
+The mask of a step's row needs every earlier token accepted, so with async scheduling such a step
+first reads the step in flight (as the penalties do). A spec that xgrammar cannot compile is a
+ValueError naming it.
 
 A JSON schema's grammar also forbids every token holding a control byte (below 0x20): xgrammar's
 length-bounded strings (`minLength`, `maxLength`) let raw ones in, which no JSON parser takes, and
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mm_engine.config import EngineConfig
+from mm_engine.core.grammar_limits import GrammarLimits
 from mm_engine.sampling_params import StructuredOutputs
 
 _COMPILE_THREADS = 2
@@ -45,16 +50,41 @@ class Compiled:
 class Grammars:
     """Compiled grammars of one vocabulary, by spec."""
 
-    def __init__(self, tokenizer_loader, vocab_size: int, capacity: int = 256) -> None:
-        """`tokenizer_loader`: returns the model's tokenizer (called once, on first use)."""
+    def __init__(
+        self,
+        tokenizer_loader,
+        vocab_size: int,
+        capacity: int = 256,
+        *,
+        limits: GrammarLimits | None = None,
+        capacity_bytes: int = 512 * 1024**2,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """`tokenizer_loader`: returns the model's tokenizer (called once, on first use).
+        `capacity`, `capacity_bytes`: the cache's bounds (compiled grammars, their memory);
+        `timeout_s`: how long `compile` waits for one."""
         self._load_tokenizer = tokenizer_loader
         self.vocab_size = vocab_size
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.limits = limits or GrammarLimits()
+        self.timeout_s = timeout_s
+        self._sizes: dict[tuple[str, str], int] = {}  # compiled grammars' bytes, by spec
+        self.cached_bytes = 0
         self._compiler = None
         self._no_control: torch.Tensor | None = None  # bitmask row of the tokens without control bytes
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mm-grammar")
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, tokenizer_loader, vocab_size: int) -> Grammars:
+        """The grammars of an engine: its limits, cache and timeout from `config`."""
+        limits = GrammarLimits(config.max_grammar_bytes, config.max_grammar_entries, config.max_grammar_depth)
+        return cls(
+            tokenizer_loader, vocab_size, limits=limits, capacity_bytes=config.grammar_cache_bytes,
+            timeout_s=config.grammar_compile_timeout_s,
+        )  # fmt: skip
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -65,28 +95,58 @@ class Grammars:
         return self._compiler
 
     def submit(self, spec: StructuredOutputs) -> Future:
-        """The compiled grammar, as a future (done at once when cached)."""
+        """The compiled grammar, as a future (done at once when cached). A spec over the limits
+        is a ValueError here, before anything compiles it."""
         key = spec.key()
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, key)
-            self._cache[key] = future
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
-        future.add_done_callback(lambda f: f.exception() and self._forget(key, f))
+        self.limits.check(*key)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile_and_keep, key)
+                self._cache[key] = future
+                self._evict()
+        future.add_done_callback(lambda f: self._settle(key, f))
         return future
 
     def compile(self, spec: StructuredOutputs) -> Any:
-        """The compiled grammar, waiting for it; ValueError when the spec cannot be compiled."""
-        return self.submit(spec).result()
+        """The compiled grammar, waiting for it (at most `timeout_s`); ValueError when the spec
+        cannot be compiled in time."""
+        try:
+            return self.submit(spec).result(self.timeout_s)
+        except TimeoutError:
+            raise ValueError(self.timeout_message(spec)) from None
 
-    def _forget(self, key: tuple[str, str], future: Future) -> None:
+    def timeout_message(self, spec: StructuredOutputs) -> str:
+        kind = spec.key()[0]
+        return f"structured_outputs.{kind} took longer than {self.timeout_s:g} s to compile; simplify it"
+
+    def _compile_and_keep(self, key: tuple[str, str]) -> Compiled:
+        """Compile, and count the grammar's bytes in the cache before anyone gets it."""
+        compiled = self._compile(key)
+        with self._lock:
+            if key in self._cache and key not in self._sizes:
+                self._sizes[key] = compiled.grammar.memory_size_bytes
+                self.cached_bytes += self._sizes[key]
+                self._evict()
+        return compiled
+
+    def _settle(self, key: tuple[str, str], future: Future) -> None:
         with self._lock:  # a failed compile is not cached: the next request gets the same error anew
-            if self._cache.get(key) is future:
+            if self._cache.get(key) is future and future.exception() is not None:
                 del self._cache[key]
+
+    def _evict(self) -> None:
+        """Least recently used first, down to both bounds (call under the lock)."""
+        while len(self._cache) > self.capacity or (
+            self.cached_bytes > self.capacity_bytes and len(self._cache) > 1
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self.cached_bytes -= self._sizes.pop(key, 0)
 
     def _compile(self, key: tuple[str, str]) -> Any:
         kind, text = key
@@ -94,26 +154,40 @@ class Grammars:
         try:
             if kind == "json":
                 grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-                return Compiled(grammar, self._no_control)
-            if kind == "json_object":
-                return Compiled(compiler.compile_builtin_json_grammar())
-            if kind == "regex":
-                return Compiled(compiler.compile_regex(text))
-            if kind == "choice":
+                compiled = Compiled(grammar, self._no_control)
+            elif kind == "json_object":
+                compiled = Compiled(compiler.compile_builtin_json_grammar())
+            elif kind == "regex":
+                compiled = Compiled(compiler.compile_regex(text))
+            elif kind == "choice":
                 import json
 
                 xgr = _xgr()
                 choices = json.loads(text)
                 ebnf = "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
-                return Compiled(compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf)))
-            return Compiled(compiler.compile_grammar(text))
+                compiled = Compiled(compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf)))
+            else:
+                compiled = Compiled(compiler.compile_grammar(text))
         except ValueError:
             raise
         except Exception as exc:  # xgrammar reports bad specs as RuntimeError and the like
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(exc)}") from None
+        if not _can_start(compiled, self.vocab_size):
+            raise ValueError(
+                f"structured_outputs.{kind} accepts no output that this model's vocabulary can begin"
+            )
+        return compiled
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _can_start(compiled: Compiled, vocab_size: int) -> bool:
+    """Whether some token may come first (an empty language, or one whose first characters no
+    token spells, leaves none: the request would only emit padding until max_tokens)."""
+    bitmask = allocate_bitmask(1, vocab_size)
+    GrammarState(compiled).fill(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _ebnf_string(s: str) -> str:

@@ -53,6 +53,13 @@ class EngineConfig:
     # admitted (vLLM's order); False: strict rank order, where a new image prefill may take the
     # whole step and running streams wait for it.
     decode_first: bool = True
+    # Structured output: specs over these are refused before compiling (core/grammar_limits.py);
+    # a compile that takes longer than the timeout is a 400; compiled grammars cached up to the bytes.
+    max_grammar_bytes: int = 64 * 1024
+    max_grammar_entries: int = 1000
+    max_grammar_depth: int = 64
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_bytes: int = 512 * 1024**2
     preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True

@@ -155,8 +155,8 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.structured_outputs is not None:  # compiled off the loop (and off the engine's step)
-            await self.run_in_worker(self._inputs.check_structured_outputs, params, weight=0)
+        if params.structured_outputs is not None:  # compiled off the loop, the lanes and the engine's step
+            await self._inputs.await_structured_outputs(params)
         collector = OutputCollector(params.output_kind)
         stream = Stream(asyncio.get_running_loop(), collector, inputs.modality, arrival_time or time.time())
         self._streams[request_id] = stream

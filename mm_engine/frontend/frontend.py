@@ -52,7 +52,7 @@ class Frontend:
             template,
             image_limits,
             max_prompt_chars=2 * self.max_model_len * max(longest, 1),
-            grammars=Grammars(per_thread.get, hf_config.text_config.vocab_size),
+            grammars=Grammars.for_config(config, per_thread.get, hf_config.text_config.vocab_size),
             tool_format=tool_format_for(hf_config.model_type, template),
         )
         self.tokenizer = tokenizer  # the detokenizing thread's; the input processor has per-thread copies

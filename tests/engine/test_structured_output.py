@@ -176,3 +176,65 @@ def test_a_schema_never_lets_a_raw_control_character_in(bytelevel):
     (control,) = tok("\x11", add_special_tokens=False)["input_ids"]
     (letter,) = tok("y", add_special_tokens=False)["input_ids"]
     assert allowed(letter) and not allowed(control)
+
+
+def test_specs_over_the_limits_are_refused_before_compiling(bytelevel, monkeypatch):
+    llm = LLM(bytelevel, **KW, max_grammar_entries=50, max_grammar_bytes=4096, max_grammar_depth=16)
+    grammars = llm.engine.inputs.grammars
+    compiled = []
+    monkeypatch.setattr(grammars, "_compile", lambda key: compiled.append(key))
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(60)}}
+    enum = {"type": "string", "enum": [f"v{i}" for i in range(60)]}
+    deep: dict = {"type": "integer"}
+    for _ in range(10):
+        deep = {"type": "object", "properties": {"a": deep}}
+    cases = [
+        ({"json": wide}, "60 properties, enum values or alternatives, more than the limit of 50"),
+        ({"json": enum}, "more than the limit of 50"),
+        ({"json": deep}, "nested 21 deep, more than 16"),
+        ({"choice": [f"c{i}" for i in range(51)]}, "structured_outputs.choice has 51"),
+        ({"regex": "a" * 5000}, "structured_outputs.regex is 5000 bytes, more than the limit of 4096"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate("USER: hi ASSISTANT:", _params(0, **spec))
+    assert compiled == []  # none of them reached the compiler
+    assert llm.kv_report()["text"]["used_blocks"] == 0
+
+
+def test_a_grammar_no_token_can_begin_is_refused(bytelevel, clip_llama):
+    llm = LLM(bytelevel, **KW)
+    with pytest.raises(ValueError, match="accepts no output that this model's vocabulary can begin"):
+        llm.generate("USER: hi ASSISTANT:", _params(0, regex="[^\\s\\S]"))  # the empty language
+    # A word-level vocabulary without "{" cannot begin any JSON: refused, not padding to max_tokens.
+    words = LLM(clip_llama, **KW)
+    if "{" not in "".join(words.tokenizer.get_vocab()):
+        with pytest.raises(ValueError, match="can begin"):
+            words.generate("USER: hi ASSISTANT:", _params(0, json_object=True))
+
+
+def test_the_grammar_cache_is_bounded_by_bytes(bytelevel):
+    llm = LLM(bytelevel, **KW, grammar_cache_bytes=1)
+    grammars = llm.engine.inputs.grammars
+    for i in range(3):
+        grammars.compile(StructuredOutputs(choice=[f"x{i}", "y"]))
+    assert len(grammars._cache) == 1 and grammars.cached_bytes > 0  # only the latest stays
+    grammars.compile(StructuredOutputs(regex="[0-9]+"))
+    assert len(grammars._cache) == 1
+
+
+def test_a_compile_over_the_timeout_is_a_400_and_others_are_served(bytelevel, monkeypatch):
+    import threading
+
+    from helpers.api import served_in_process
+
+    release = threading.Event()
+    with served_in_process(bytelevel, **KW, grammar_compile_timeout_s=0.5) as (_, http):
+        grammars = http.app.state.ctx.llm.inputs.grammars
+        slow = grammars._compile
+        monkeypatch.setattr(grammars, "_compile", lambda key: (release.wait(30), slow(key))[1])
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = http.post("/v1/chat/completions", json={**body, "guided_regex": "[0-9]{3}"})
+        assert r.status_code == 400 and "took longer than 0.5 s to compile" in r.json()["error"]["message"]
+        assert http.post("/v1/chat/completions", json=body).status_code == 200  # the lanes are free
+        release.set()
