@@ -123,6 +123,7 @@ class EngineCore(OverlappedSteps):
             config.max_waiting_requests,
             whole_images=self.model.bidirectional_images,
             decode_first=config.decode_first,
+            decode_step_prefill_tokens=config.decode_step_prefill_tokens,
         )
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"

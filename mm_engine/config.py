@@ -61,6 +61,10 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_bytes: int = 512 * 1024**2
     preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
+    # With running decodes, the prefill tokens (and, beyond one image, the image tokens encoded) a
+    # step may add: it bounds how long running streams wait for their next token (Sarathi-Serve's
+    # token budget). None: the whole max_num_batched_tokens.
+    decode_step_prefill_tokens: int | None = None
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True
     encoder_cache_bytes: int = 256 * 1024**2

@@ -5,7 +5,10 @@ requests are ranked once, when admitted, and waiting ones are taken lazily from 
 so a step costs what it looks at, not the length of the queue). Decodes come first: before the walk,
 one token of the budget is set aside for every running request that is decoding, so better-ranked
 prefills (a new image request, image-first) never take a running stream's next token; only
-preemption (below) can, and a preempted request's token goes back to the budget.
+preemption (below) can. With
+`decode_step_prefill_tokens`, a step that runs decodes adds at most that many prefill tokens and
+encodes at most that many image tokens (or one image, whatever its size), so that how long the
+running streams wait for their next token stays bounded while new requests prefill.
 - a running request gets its next chunk (a decode is one token); when its pool has no block left,
   running requests ranked below it that are not yet scheduled this step are preempted, the fewest
   lowest-ranked ones that free blocks of the pool that is short (victims.py), else it waits itself;
@@ -76,6 +79,7 @@ class _Pass:
     in_flight: set[bytes] = field(default_factory=set)
     admitting: str | None = None  # a swapped request being admitted (see _admit)
     reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
+    one_image_free: bool = False  # a capped step still encodes one image, whatever its size
 
 
 class Scheduler:
@@ -91,6 +95,7 @@ class Scheduler:
         max_waiting_requests: int = 10_000,
         whole_images: bool = False,
         decode_first: bool = True,
+        decode_step_prefill_tokens: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
@@ -102,6 +107,7 @@ class Scheduler:
         self.max_waiting_requests = max_waiting_requests
         self.whole_images = whole_images
         self.decode_first = decode_first
+        self.decode_step_prefill_tokens = decode_step_prefill_tokens
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []  # in rank order at the start of each step
         self._ranks: dict[str, tuple] = {}  # running request id -> its rank (fixed once admitted)
@@ -131,6 +137,10 @@ class Scheduler:
             if len(p.reserved) < p.budget and req.num_tokens - req.num_computed_tokens == 1:
                 p.reserved.add(req.request_id)
         p.budget -= len(p.reserved)
+        cap = self.decode_step_prefill_tokens
+        # (Not for whole images: one must fit a step whole, and a cap below it would stall it.)
+        if p.reserved and cap is not None and cap < p.budget and not self.whole_images:
+            p.budget, p.encoder_left, p.one_image_free = cap, min(p.encoder_left, cap), True
         waiting = self.waiting.in_rank_order(now)
         try:
             nxt = next(waiting, None)
@@ -157,7 +167,7 @@ class Scheduler:
 
     @staticmethod
     def _release(req: Request, p: _Pass) -> None:
-        """Give a decode's set-aside token back to the budget (to take it, or because it left)."""
+        """Give a decode's set-aside token back to the budget, for it to take now."""
         if req.request_id in p.reserved:
             p.reserved.discard(req.request_id)
             p.budget += 1
@@ -179,7 +189,7 @@ class Scheduler:
             if self.encoder_cache.contains(span.content_hash):
                 continue
             # Charged with what the tower produces (a tiled image's run also holds row/column tokens).
-            if cost + span.num_embeds > p.encoder_left:
+            if cost + span.num_embeds > p.encoder_left and not (p.one_image_free and cost == 0):
                 return max(0, span.offset - start), cost  # stop before the image that does not fit
             cost += span.num_embeds
         return n, cost
@@ -205,6 +215,7 @@ class Scheduler:
         batch.items.append((req, n))
         p.budget -= n
         p.encoder_left -= cost
+        p.one_image_free = p.one_image_free and cost == 0
         p.scheduled.add(req.request_id)
         if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image
             return
@@ -320,7 +331,7 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.add(req)
         if p is not None:
-            self._release(req, p)
+            p.reserved.discard(req.request_id)  # its token is not spent this step (nor handed on)
             p.preempted.add(req.request_id)
             p.batch.preempted.append(req)
 

@@ -38,8 +38,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         n_image=st.integers(4, 10),
         max_seqs=st.integers(1, 4),
         budget=st.integers(4, 24),
+        cap=st.sampled_from([None, 1, 3, 8]),
     )
-    def setup(self, mode, n_text, n_image, max_seqs, budget):
+    def setup(self, mode, n_text, n_image, max_seqs, budget, cap):
         spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
         self.kv = KVCache(spec, n_text + n_image, torch.device("cpu"))
         self.blocks = BlockManager(
@@ -57,7 +58,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             IMG_TOKENS,
             swap,
             max_waiting_requests=50,
+            decode_step_prefill_tokens=cap,
         )
+        self.cap = cap
         self.budget = budget
         self.now = 0.0
         self.seq = 0
@@ -105,6 +108,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if len(decoding) <= self.budget:  # decodes first: each gets its token unless preempted
             given = {r.request_id for r, _ in batch.items} | {r.request_id for r in batch.preempted}
             assert set(decoding) <= given, "a running decode got no token"
+            if decoding and self.cap is not None:  # and the prefills beside them stay under the cap
+                prefill = sum(n for r, n in batch.items if r.request_id not in decoding)
+                assert prefill <= self.cap, f"{prefill} prefill tokens beside decodes, cap {self.cap}"
         ranks = {r.request_id: self.policy.rank(r, self.now) for r in self.live.values()}
         scheduled = {r.request_id for r, _ in batch.items}
         for w in self.sched.waiting:
