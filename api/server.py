@@ -67,6 +67,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a client may take to send a request's head (then 408, closed)")  # fmt: skip
     g.add_argument("--body-timeout", type=float, default=_D.body_timeout,
                    help="seconds a client may go silent while sending a body (then 408, closed)")  # fmt: skip
+    g.add_argument("--send-timeout", type=float, default=_D.send_timeout,
+                   help="seconds a response may wait on a client that stopped reading (then the "
+                   "connection is dropped and its request aborted)")  # fmt: skip
     g.add_argument("--shutdown-timeout", type=float, default=_D.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM")  # fmt: skip
     g.add_argument("--health-stall-timeout", type=float, default=_D.health_stall_timeout)
@@ -142,6 +145,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         media_max_redirects=args.media_max_redirects,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout,
         shutdown_timeout=args.shutdown_timeout,
         health_stall_timeout=args.health_stall_timeout,
         input_workers=args.input_workers,
@@ -251,7 +255,7 @@ def serve_on(
     app = create_app(llm, settings)
     uv_config = uvicorn.Config(
         app,
-        http=timed_h11_protocol(settings.header_timeout, settings.body_timeout),
+        http=timed_h11_protocol(settings.header_timeout, settings.body_timeout, settings.send_timeout),
         log_level=args.log_level,
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=5,

@@ -30,6 +30,7 @@ class ServerSettings:
     media_max_redirects: int = 3
     header_timeout: float = 10.0  # seconds a client may take to send a request's head
     body_timeout: float = 30.0  # seconds a client may go silent while sending a body
+    send_timeout: float = 30.0  # seconds a response may wait on a client that stopped reading
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running requests get before being aborted
     health_stall_timeout: float = 60.0  # busy with no loop progress this long: /health says 503
     retry_after_seconds: int = 1  # Retry-After on 429 (queue full) and 503 (draining)
@@ -69,6 +70,7 @@ class ServerSettings:
             "media_fetch_timeout",
             "header_timeout",
             "body_timeout",
+            "send_timeout",
             "shutdown_timeout",
             "health_stall_timeout",
         ):

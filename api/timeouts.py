@@ -10,6 +10,10 @@ the body, the handler waiting on it) forever. Here:
   (not counted while the server itself has paused reading).
 On expiry the client gets `408 Request Timeout` (nothing, if it never sent a byte) and the
 connection is closed; a handler waiting on the body sees a disconnect.
+
+And a write timeout: `send_timeout`, seconds the response may stay stuck in a full send buffer
+(the client stopped reading) before the connection is dropped, so that a streamed response whose
+client never reads is aborted instead of held, with its output buffered, forever.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ _408 = (
 class TimedH11Protocol(H11Protocol):
     header_timeout = 10.0
     body_timeout = 30.0
+    send_timeout = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._got_bytes = False  # of the request now due
         super().connection_made(transport)
         self._arm(self.header_timeout)
@@ -49,7 +55,28 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
+        self._unstuck()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout, self._stuck)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstuck()
+
+    def _unstuck(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _stuck(self) -> None:
+        """The client has not taken a byte for `send_timeout` s: drop the connection (abort: a
+        close would wait for the buffer to drain). The handler then sees a disconnect."""
+        self._send_timer = None
+        self.transport.abort()
 
     def _arm(self, seconds: float | None) -> None:
         if self._timer is not None:
@@ -69,10 +96,12 @@ class TimedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def timed_h11_protocol(header_timeout: float, body_timeout: float) -> type[TimedH11Protocol]:
+def timed_h11_protocol(
+    header_timeout: float, body_timeout: float, send_timeout: float = 30.0
+) -> type[TimedH11Protocol]:
     """The protocol class to give `uvicorn.Config(http=...)`."""
     return type(
         "TimedH11Protocol",
         (TimedH11Protocol,),
-        {"header_timeout": header_timeout, "body_timeout": body_timeout},
+        {"header_timeout": header_timeout, "body_timeout": body_timeout, "send_timeout": send_timeout},
     )

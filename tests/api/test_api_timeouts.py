@@ -1,6 +1,7 @@
 """Half-open connections are closed: a client that sends nothing, half a request head, or a body
 that stops part-way gets 408 (or, having sent nothing, just a close) after the read timeouts; a
-slow but steady body and keep-alive requests are served."""
+slow but steady body and keep-alive requests are served; a client that stops reading a response
+is dropped after the send timeout."""
 
 from __future__ import annotations
 
@@ -96,3 +97,55 @@ def test_slow_steady_bodies_and_keep_alive_are_served(port):
         time.sleep(HEADER_TIMEOUT / 2)
         conn.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")  # the same connection again
         assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout():
+    stopped = []  # (bytes the app handed to the server, what ended it)
+
+    async def endless(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        sent, chunk = 0, b"x" * 65536
+        while sent < 1 << 30:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent += len(chunk)
+            message = await _poll(receive)
+            if message is not None and message["type"] == "http.disconnect":
+                stopped.append((sent, "disconnect"))
+                return
+        stopped.append((sent, "ran out"))
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    config = uvicorn.Config(
+        endless, http=timed_h11_protocol(5.0, 5.0, 0.5), log_level="error", lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        conn = _connect(sock.getsockname()[1])
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # and never read
+        deadline = time.monotonic() + 20
+        while not stopped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert stopped and stopped[0][1] == "disconnect", stopped
+    assert stopped[0][0] < 1 << 28  # dropped, not streamed on into the buffers
+
+
+async def _poll(receive):
+    """The next ASGI message if one is ready now, else None."""
+    try:
+        return await asyncio.wait_for(receive(), 0.0001)
+    except TimeoutError:
+        return None
