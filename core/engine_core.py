@@ -123,7 +123,7 @@ class EngineCore(OverlappedSteps):
             config.max_waiting_requests,
             whole_images=self.model.bidirectional_images,
             decode_first=config.decode_first,
-            decode_step_prefill_tokens=config.decode_step_prefill_tokens,
+            decode_step_prefill_tokens=_prefill_cap(config.decode_step_prefill_tokens, self.device),
         )
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
@@ -343,3 +343,13 @@ class EngineCore(OverlappedSteps):
             self.launcher.close()
         if self.parallel is not None:  # the workers stop with us
             self.parallel.close()
+
+
+CPU_DECODE_STEP_PREFILL_TOKENS = 768  # bench.serve, 64 streams: p99 ITL 0.47x, throughput 0.97x
+
+
+def _prefill_cap(configured: int | None, device: torch.device) -> int | None:
+    """The prefill tokens a step adds beside decodes: as configured (0: none), else the platform's."""
+    if configured is not None:
+        return configured or None
+    return CPU_DECODE_STEP_PREFILL_TOKENS if device.type == "cpu" else None

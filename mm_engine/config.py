@@ -63,7 +63,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
     # With running decodes, the prefill tokens (and, beyond one image, the image tokens encoded) a
     # step may add: it bounds how long running streams wait for their next token (Sarathi-Serve's
-    # token budget). None: the whole max_num_batched_tokens.
+    # token budget). None: 768 on CPU (bench.serve, docs/benchmarks.md), no cap on GPU (not yet
+    # measured there); 0: no cap.
     decode_step_prefill_tokens: int | None = None
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True
@@ -100,9 +101,18 @@ class EngineConfig:
             raise ValueError(f"image_pool_fraction must be in [0, 1), got {self.image_pool_fraction}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_grammar_bytes", "max_grammar_entries",
+                     "max_grammar_depth", "grammar_cache_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens < 0:
+            raise ValueError(
+                f"decode_step_prefill_tokens must be at least 0, got {self.decode_step_prefill_tokens}"
+            )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.async_launch not in ("auto", "inline", "thread"):
