@@ -46,9 +46,10 @@ logger = logging.getLogger("mm_engine.core")
 
 
 class EngineCore(OverlappedSteps):
-    def __init__(self, config: EngineConfig, max_image_tokens: int) -> None:
+    def __init__(self, config: EngineConfig, max_image_tokens: int, grammars: Grammars | None = None) -> None:
         """`max_image_tokens`: the per-image token cap (the frontend resolves its default, which
-        depends on the family's processing)."""
+        depends on the family's processing). `grammars`: the frontend's, when it runs in this
+        process and masks the same vocabulary width, so a spec is compiled once, not twice."""
         self.config = config
         self.device = rank_device(config, 0) if config.parallel else config.torch_device()
         self.max_image_tokens = max_image_tokens
@@ -65,13 +66,13 @@ class EngineCore(OverlappedSteps):
             models.check_tensor_parallel(self.hf_config, config.tensor_parallel_size)
             self.parallel = TensorParallel(config)
         try:
-            self._build(config, path)
+            self._build(config, path, grammars)
         except BaseException:
             if self.parallel is not None:
                 self.parallel.close()
             raise
 
-    def _build(self, config: EngineConfig, path) -> None:
+    def _build(self, config: EngineConfig, path, grammars: Grammars | None) -> None:
         # Building the modules runs their random init (overwritten by the checkpoint): on a fork of
         # torch's RNG, so the caller's stream is where it was.
         cuda = [self.device] if self.device.type == "cuda" else []
@@ -139,9 +140,11 @@ class EngineCore(OverlappedSteps):
         self._seq = itertools.count()
         self.device_lost = False  # set by a step that failed with a device fault
         self.launcher = make_launcher(config, self.runner, self.sampler, self.device)
-        self.grammars = Grammars.for_config(
-            config, lambda: AutoTokenizer.from_pretrained(path), emb.num_embeddings
-        )
+        if grammars is None or grammars.vocab_size != emb.num_embeddings:
+            grammars = Grammars.for_config(
+                config, lambda: AutoTokenizer.from_pretrained(path), emb.num_embeddings
+            )
+        self.grammars = grammars
         self._compiling = GrammarWaitlist(self.grammars)  # structured requests, grammar not ready
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._carry: list[CoreOutput] = []  # outputs read before a step failed: the next step's

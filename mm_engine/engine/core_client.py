@@ -18,6 +18,7 @@ from mm_engine.core import messages as m
 from mm_engine.core.engine_core import EngineCore
 from mm_engine.core.faults import StepFailedError
 from mm_engine.core.pixels import PixelLedger, add_message
+from mm_engine.core.structured_output import Grammars
 from mm_engine.core.types import CoreOutput, CoreRequest
 from mm_engine.engine.process_client import CoreProcess
 
@@ -47,8 +48,8 @@ class InProcessCore:
     """The core in the caller's thread: every call is a call (an add that cannot run raises
     ValueError, or QueueFullError, at once)."""
 
-    def __init__(self, config: EngineConfig, max_image_tokens: int) -> None:
-        self.core = EngineCore(config, max_image_tokens)
+    def __init__(self, config: EngineConfig, max_image_tokens: int, grammars: Grammars | None = None) -> None:
+        self.core = EngineCore(config, max_image_tokens, grammars)
 
     def add(self, request: CoreRequest) -> None:
         self.core.add(request)

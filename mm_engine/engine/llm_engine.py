@@ -33,8 +33,12 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.frontend = Frontend(config, path, load_config(path), image_limits)
         core_config = dataclasses.replace(config, model=str(path))
-        kind = ProcessCore if multiprocess else InProcessCore
-        self.client: EngineCoreClient = kind(core_config, self.frontend.max_image_tokens)
+        max_image_tokens = self.frontend.max_image_tokens
+        self.client: EngineCoreClient = (
+            ProcessCore(core_config, max_image_tokens)
+            if multiprocess
+            else InProcessCore(core_config, max_image_tokens, self.frontend.inputs.grammars)
+        )
         self.inputs = self.frontend.inputs
         self.tokenizer = self.frontend.tokenizer
         self.max_model_len = self.frontend.max_model_len

@@ -238,3 +238,15 @@ def test_a_compile_over_the_timeout_is_a_400_and_others_are_served(bytelevel, mo
         assert r.status_code == 400 and "took longer than 0.5 s to compile" in r.json()["error"]["message"]
         assert http.post("/v1/chat/completions", json=body).status_code == 200  # the lanes are free
         release.set()
+
+
+def test_an_in_process_engine_compiles_a_spec_once(bytelevel, monkeypatch):
+    llm = LLM(bytelevel, **KW)
+    grammars = llm.engine.inputs.grammars
+    assert llm.engine.core.grammars is grammars  # the frontend's, shared with the core
+    compiled = []
+    compile_ = grammars._compile
+    monkeypatch.setattr(grammars, "_compile", lambda key: (compiled.append(key), compile_(key))[1])
+    out = llm.generate(["USER: hi ASSISTANT:"] * 2, _params(0, regex="[0-9]{4}"))
+    assert [len(o.outputs[0].text) for o in out] == [4, 4]
+    assert len(compiled) == 1  # checked by the frontend, then reused by the core
