@@ -100,7 +100,11 @@ def client_errors(param: str | None) -> Iterator[None]:
         raise APIError(400, message, param=named, code="invalid_value") from None
 
 
-_NAMED_BY = (("logit_bias", "logit_bias"), ("prompt token", "prompt"))
+_NAMED_BY = (
+    ("logit_bias", "logit_bias"),
+    ("allowed_token_ids", "allowed_token_ids"),
+    ("prompt token", "prompt"),
+)
 
 
 # ---- Litestar exception handlers -----------------------------------------------------------------

@@ -133,6 +133,7 @@ def request_fields(
         min_p=data.min_p,
         logit_bias=logit_bias(data.logit_bias),
         stop_token_ids=data.stop_token_ids,
+        allowed_token_ids=data.allowed_token_ids,
         skip_special_tokens=data.skip_special_tokens,
         include_stop_str_in_output=data.include_stop_str_in_output,
         logprobs=logprobs,

@@ -123,6 +123,7 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=1024)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Image processor options for this request's images, over the server's (e.g. max_pixels).

@@ -36,6 +36,12 @@ class Admission:
             if tok >= self.vocab_size:
                 last = self.vocab_size - 1
                 raise ValueError(f"logit_bias token {tok} is not a token id of this model (0 .. {last})")
+        for tok in params.allowed_token_ids or ():
+            if tok >= self.vocab_size:
+                last = self.vocab_size - 1
+                raise ValueError(
+                    f"allowed_token_ids token {tok} is not a token id of this model (0 .. {last})"
+                )
 
     def _token_ids(self, ids: list[int], spans: list[ImageSpan]) -> None:
         """Every id the language model embeds must be one (image positions are replaced, so their

@@ -1,7 +1,8 @@
-"""What changes a batch's next-token logits before temperature: min_tokens, logit_bias and the
-repetition, frequency and presence penalties (vLLM's meanings and order), batched on the logits'
-device: one padded id tensor per kind, no loop over the vocabulary.
+"""What changes a batch's next-token logits before temperature: allowed_token_ids, min_tokens,
+logit_bias and the repetition, frequency and presence penalties (vLLM's meanings and order),
+batched on the logits' device: one padded id tensor per kind, no loop over the vocabulary.
 
+- allowed_token_ids: every other token gets -inf;
 - min_tokens: EOS and the stop token ids get -inf until the output has that many tokens;
 - logit_bias: added to the token's logit;
 - repetition_penalty r: a token seen in the prompt or the output has its logit divided by r when
@@ -60,6 +61,14 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], rows: list
     """`logits` [batch, vocab] (float32, changed in place where it helps) with every row's
     adjustments applied."""
     vocab, dev = logits.shape[1], logits.device
+    only = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if only:
+        keep = torch.zeros((len(only), vocab), dtype=torch.bool, device=dev)
+        rows_at = [j for j, (_, ids) in enumerate(only) for t in ids if t < vocab]
+        ids_at = [t for _, ids in only for t in ids if t < vocab]
+        keep[to_device(rows_at, torch.long, dev), to_device(ids_at, torch.long, dev)] = True
+        at = to_device([i for i, _ in only], torch.long, dev)
+        logits[at] = logits.index_select(0, at).masked_fill(~keep, float("-inf"))
     masked: list[tuple[int, int]] = []  # (row, token) -> -inf
     biased: list[tuple[int, int, float]] = []
     for i, (p, row) in enumerate(zip(params, rows, strict=True)):

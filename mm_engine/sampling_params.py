@@ -66,6 +66,7 @@ class SamplingParams:
     # Logit adjustments (vLLM's meanings), applied in this order before temperature:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 to 100)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's; None: any)
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output so far
     frequency_penalty: float = 0.0  # minus this times a token's count in the output so far
     presence_penalty: float = 0.0  # minus this once a token is in the output
@@ -147,6 +148,12 @@ class SamplingParams:
                     )
                 if not _number(bias) or not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be numbers from -100 to 100, got {bias!r}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids or any(not _integer(t) or t < 0 for t in ids):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"[:300]
+                )
 
     @property
     def greedy(self) -> bool:
@@ -163,7 +170,12 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.needs_history or bool(self.logit_bias) or self.min_tokens > 0
+        return (
+            self.needs_history
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+        )
 
 
 def _integer(x) -> bool:

@@ -31,7 +31,6 @@ def offline(clip_llama):
     [
         ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
         ("/v1/chat/completions", {**CHAT, "bad_words": ["x"]}, "bad_words"),
-        ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [1]}, "allowed_token_ids"),
         ("/v1/chat/completions", {**CHAT, "functions": []}, "functions"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "foo": 1}]},
          "messages[0].foo"),
@@ -126,6 +125,14 @@ def test_vllm_extras_act(http, offline):
         }
         text = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
         assert text.endswith(word) == include, text
+    only = sorted(set(ids[1:3]))
+    sampled = dict(max_tokens=6, ignore_eos=True, temperature=1.0, seed=1, allowed_token_ids=only)
+    r = http.post("/v1/chat/completions", json={**CHAT, **sampled})
+    assert r.status_code == 200, r.text
+    want = offline.chat(CHAT["messages"], SamplingParams(**sampled))[0].outputs[0]
+    assert set(want.token_ids) <= set(only) and r.json()["choices"][0]["message"]["content"] == want.text
+    r = http.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [10**8]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
     ok = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
     assert ok.status_code == 200, ok.text
     bad = http.post(

@@ -111,6 +111,19 @@ def test_through_the_engine(clip_llama, mode):
     assert len(out.token_ids) == 5 and out.finish_reason == "stop"  # EOS as soon as min_tokens allows
     with pytest.raises(ValueError, match="logit_bias token"):
         llm.generate(prompt, SamplingParams(logit_bias={10**6: 1.0}))
+    # allowed_token_ids: sampled (not greedy) from those only, the batch's other rows untouched.
+    allowed = sorted(set(plain.token_ids[1:4]))
+    mixed = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed),
+         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)],
+    )  # fmt: skip
+    assert set(mixed[0].outputs[0].token_ids) <= set(allowed)
+    assert mixed[1].outputs[0].token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="allowed_token_ids token"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="allowed_token_ids must be"):
+        SamplingParams(allowed_token_ids=[])
 
 
 def test_penalised_tokens_are_the_same_with_async_scheduling(clip_llama):
