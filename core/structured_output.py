@@ -19,9 +19,12 @@ with compact separators no control byte is legal anywhere in the output.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +73,7 @@ class Grammars:
         self.limits = limits or GrammarLimits()
         self.timeout_s = timeout_s
         self._sizes: dict[tuple[str, str], int] = {}  # compiled grammars' bytes, by spec
+        self._waiting: dict[tuple[str, str], int] = {}  # callers waiting on a compile, by spec
         self.cached_bytes = 0
         self._compiler = None
         self._no_control: torch.Tensor | None = None  # bitmask row of the tokens without control bytes
@@ -116,10 +120,42 @@ class Grammars:
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled grammar, waiting for it (at most `timeout_s`); ValueError when the spec
         cannot be compiled in time."""
+        future = self.submit(spec)
+        with self._waiter(spec.key(), future):
+            try:
+                return future.result(self.timeout_s)
+            except TimeoutError:
+                raise ValueError(self.timeout_message(spec)) from None
+
+    async def ready(self, spec: StructuredOutputs) -> Any:
+        """The same from an event loop, which it never blocks: a waiter that leaves (its client
+        went away: this is cancelled) stops waiting."""
+        future = self.submit(spec)
+        with self._waiter(spec.key(), future):
+            try:
+                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
+            except TimeoutError:
+                raise ValueError(self.timeout_message(spec)) from None
+
+    @contextlib.contextmanager
+    def _waiter(self, key: tuple[str, str], future: Future) -> Iterator[None]:
+        """Count who waits on a compile; when the last one leaves before the compile has started
+        (timed out, or its client went away), the compile is dropped, so a burst of abandoned
+        specs does not keep the compile thread busy after their 400s."""
+        with self._lock:
+            self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
-            return self.submit(spec).result(self.timeout_s)
-        except TimeoutError:
-            raise ValueError(self.timeout_message(spec)) from None
+            yield
+        finally:
+            with self._lock:
+                left = self._waiting.pop(key) - 1
+                drop = not left and self._cache.get(key) is future and not (future.done() or future.running())
+                if left:
+                    self._waiting[key] = left
+                elif drop:
+                    del self._cache[key]
+            if drop:
+                future.cancel()  # outside the lock: its done-callbacks take it; a started one runs on
 
     def timeout_message(self, spec: StructuredOutputs) -> str:
         kind = spec.key()[0]

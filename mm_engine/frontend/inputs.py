@@ -4,7 +4,6 @@ What an image becomes is the model family's `Processing`; this file is family-bl
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,15 +52,10 @@ class InputProcessor:
 
     async def await_structured_outputs(self, params: SamplingParams) -> None:
         """The same from an event loop: waits on the compile (a thread of the grammars' own, so
-        no input worker is held), at most the grammars' timeout; a client that leaves stops
-        waiting (the compile, shared with any request of the same spec, goes on and is cached)."""
-        if params.structured_outputs is None or self.grammars is None:
-            return
-        future = self.grammars.submit(params.structured_outputs)
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.grammars.timeout_s)
-        except TimeoutError:
-            raise ValueError(self.grammars.timeout_message(params.structured_outputs)) from None
+        no input worker is held), at most the grammars' timeout; a compile whose every waiter
+        left before it started is dropped (`Grammars.ready`)."""
+        if params.structured_outputs is not None and self.grammars is not None:
+            await self.grammars.ready(params.structured_outputs)
 
     def check_length(self, chars: int) -> None:
         """Refuse a prompt whose text alone cannot fit, before tokenizing it (a 4 MB prompt took

@@ -228,16 +228,25 @@ def test_a_compile_over_the_timeout_is_a_400_and_others_are_served(bytelevel, mo
 
     from helpers.api import served_in_process
 
-    release = threading.Event()
+    release, started = threading.Event(), []
     with served_in_process(bytelevel, **KW, grammar_compile_timeout_s=0.5) as (_, http):
         grammars = http.app.state.ctx.llm.inputs.grammars
         slow = grammars._compile
-        monkeypatch.setattr(grammars, "_compile", lambda key: (release.wait(30), slow(key))[1])
+        monkeypatch.setattr(
+            grammars, "_compile", lambda key: (started.append(key), release.wait(30), slow(key))[2]
+        )
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        r = http.post("/v1/chat/completions", json={**body, "guided_regex": "[0-9]{3}"})
-        assert r.status_code == 400 and "took longer than 0.5 s to compile" in r.json()["error"]["message"]
+        for regex in ("[0-9]{3}", "[a-z]{3}"):  # the second waits behind the first's compile
+            r = http.post("/v1/chat/completions", json={**body, "guided_regex": regex})
+            assert (
+                r.status_code == 400 and "took longer than 0.5 s to compile" in r.json()["error"]["message"]
+            )
         assert http.post("/v1/chat/completions", json=body).status_code == 200  # the lanes are free
         release.set()
+        # The first compile had started and finishes (cached); the second, abandoned before it
+        # started, was dropped rather than left to hold the compile thread.
+        assert http.post("/v1/chat/completions", json={**body, "guided_regex": "[0-9]{3}"}).status_code == 200
+        assert [text for _, text in started] == ["[0-9]{3}"]
 
 
 def test_an_in_process_engine_compiles_a_spec_once(bytelevel, monkeypatch):
