@@ -9,8 +9,10 @@ from mm_engine.api.errors import APIError
 from mm_engine.api.settings import ServerSettings
 from mm_engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputs
 
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "frequency_penalty",
-           "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")  # fmt: skip
+# Longer names before their prefixes: a message naming "stop_token_ids" is not about "stop".
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
+           "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens",
+           "logit_bias", "allowed_token_ids")  # fmt: skip
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI documents no cap; vLLM has none)
 _TOKEN_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})", re.ASCII)
 # Below this a temperature only overflows the logits; it means greedy (vLLM does the same).
@@ -89,7 +91,7 @@ def fit_max_tokens(
     settings: ServerSettings,
     param: str,
     prompt_param: str,
-) -> None:
+) -> int:
     """The request's max_tokens if the context has room for it (else a 400), or the default."""
     room = max_model_len - prompt_len
     if room < 1:

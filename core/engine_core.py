@@ -124,7 +124,7 @@ class EngineCore(OverlappedSteps):
             config.max_waiting_requests,
             whole_images=self.model.bidirectional_images,
             decode_first=config.decode_first,
-            decode_step_prefill_tokens=_prefill_cap(config.decode_step_prefill_tokens, self.device),
+            decode_step_prefill_tokens=config.prefill_cap(self.device.type),
         )
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
@@ -140,7 +140,7 @@ class EngineCore(OverlappedSteps):
         self._seq = itertools.count()
         self.device_lost = False  # set by a step that failed with a device fault
         self.launcher = make_launcher(config, self.runner, self.sampler, self.device)
-        if grammars is None or grammars.vocab_size != emb.num_embeddings:
+        if grammars is None or grammars.vocab_size != emb.num_embeddings:  # not the frontend's
             grammars = Grammars.for_config(
                 config, lambda: AutoTokenizer.from_pretrained(path), emb.num_embeddings
             )
@@ -346,13 +346,3 @@ class EngineCore(OverlappedSteps):
             self.launcher.close()
         if self.parallel is not None:  # the workers stop with us
             self.parallel.close()
-
-
-CPU_DECODE_STEP_PREFILL_TOKENS = 768  # bench.serve, 64 streams: p99 ITL 0.47x, throughput 0.97x
-
-
-def _prefill_cap(configured: int | None, device: torch.device) -> int | None:
-    """The prefill tokens a step adds beside decodes: as configured (0: none), else the platform's."""
-    if configured is not None:
-        return configured or None
-    return CPU_DECODE_STEP_PREFILL_TOKENS if device.type == "cpu" else None

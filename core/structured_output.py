@@ -110,11 +110,13 @@ class Grammars:
         self.limits.check(*key)
         with self._lock:
             future = self._cache.get(key)
-            if future is None:
+            created = future is None
+            if created:
                 future = self._pool.submit(self._compile_and_keep, key)
                 self._cache[key] = future
                 self._evict()
-        future.add_done_callback(lambda f: self._settle(key, f))
+        if created:  # outside the lock: a done future calls back at once, and the callback takes it
+            future.add_done_callback(lambda f: self._settle(key, f))
         return future
 
     def compile(self, spec: StructuredOutputs) -> Any:

@@ -5,10 +5,9 @@ requests are ranked once, when admitted, and waiting ones are taken lazily from 
 so a step costs what it looks at, not the length of the queue). Decodes come first: before the walk,
 one token of the budget is set aside for every running request that is decoding, so better-ranked
 prefills (a new image request, image-first) never take a running stream's next token; only
-preemption (below) can. With
-`decode_step_prefill_tokens`, a step that runs decodes adds at most that many prefill tokens and
-encodes at most that many image tokens (or one image, whatever its size), so that how long the
-running streams wait for their next token stays bounded while new requests prefill.
+preemption (below) can. With `decode_step_prefill_tokens`, a step that runs decodes adds at most
+that many prefill tokens and encodes at most that many image tokens (or one image, whatever its
+size), so that how long the running streams wait for their next token stays bounded.
 - a running request gets its next chunk (a decode is one token); when its pool has no block left,
   running requests ranked below it that are not yet scheduled this step are preempted, the fewest
   lowest-ranked ones that free blocks of the pool that is short (victims.py), else it waits itself;

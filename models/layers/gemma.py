@@ -28,6 +28,7 @@ from mm_engine.models.layers.decoder import RMSNorm, Rotary, VocabParallelEmbedd
 from mm_engine.parallel.group import TPGroup
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+F32 = torch.float32
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -41,12 +42,7 @@ class ScaledEmbedding(nn.Embedding):
 
 class GemmaAttention(nn.Module):
     def __init__(
-        self,
-        config,
-        layer_type: str,
-        ops: TorchOps,
-        tp: TPGroup | None = None,
-        dtype: torch.dtype = torch.float32,
+        self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None, dtype: torch.dtype = F32
     ) -> None:
         super().__init__()
         h, hd, world = config.hidden_size, config.head_dim, tp.world if tp is not None else 1
@@ -97,12 +93,7 @@ class GemmaMLP(nn.Module):
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(
-        self,
-        config,
-        layer_type: str,
-        ops: TorchOps,
-        tp: TPGroup | None = None,
-        dtype: torch.dtype = torch.float32,
+        self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None, dtype: torch.dtype = F32
     ) -> None:
         super().__init__()
         self.self_attn = GemmaAttention(config, layer_type, ops, tp, dtype)
