@@ -103,6 +103,7 @@ def client_errors(param: str | None) -> Iterator[None]:
 _NAMED_BY = (
     ("logit_bias", "logit_bias"),
     ("allowed_token_ids", "allowed_token_ids"),
+    ("bad_words", "bad_words"),
     ("prompt token", "prompt"),
 )
 

@@ -12,7 +12,7 @@ from mm_engine.sampling_params import RequestOutputKind, SamplingParams, Structu
 # Longer names before their prefixes: a message naming "stop_token_ids" is not about "stop".
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
            "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens",
-           "logit_bias", "allowed_token_ids")  # fmt: skip
+           "logit_bias", "allowed_token_ids", "bad_words_token_ids", "bad_words")  # fmt: skip
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias (OpenAI documents no cap; vLLM has none)
 _TOKEN_ID = re.compile(r"(?:0|[1-9][0-9]{0,9})", re.ASCII)
 # Below this a temperature only overflows the logits; it means greedy (vLLM does the same).
@@ -136,6 +136,7 @@ def request_fields(
         logit_bias=logit_bias(data.logit_bias),
         stop_token_ids=data.stop_token_ids,
         allowed_token_ids=data.allowed_token_ids,
+        bad_words=data.bad_words,
         skip_special_tokens=data.skip_special_tokens,
         include_stop_str_in_output=data.include_stop_str_in_output,
         logprobs=logprobs,

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from mm_engine.api.schemas import MaxTokens, Priority, Seed, TokenId, TopP, Usage
+from mm_engine.sampling_params import MAX_BAD_WORDS
 
 
 class ImageURL(Struct, forbid_unknown_fields=True):
@@ -52,6 +53,7 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
 
 
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+BadWord = Annotated[str, Meta(min_length=1, max_length=200)]
 
 
 class FunctionDef(Struct, forbid_unknown_fields=True):
@@ -124,6 +126,7 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=1024)] | None = None
+    bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Image processor options for this request's images, over the server's (e.g. max_pixels).

@@ -32,16 +32,15 @@ class Admission:
         self._token_ids(ids, spans)
         for k, span in enumerate(spans):
             self._image(k, span)
-        for tok in params.logit_bias or {}:
-            if tok >= self.vocab_size:
+        for name, ids_ in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words_token_ids", [t for w in params.bad_words_token_ids or () for t in w]),
+        ):
+            over = next((t for t in ids_ if t >= self.vocab_size), None)
+            if over is not None:
                 last = self.vocab_size - 1
-                raise ValueError(f"logit_bias token {tok} is not a token id of this model (0 .. {last})")
-        for tok in params.allowed_token_ids or ():
-            if tok >= self.vocab_size:
-                last = self.vocab_size - 1
-                raise ValueError(
-                    f"allowed_token_ids token {tok} is not a token id of this model (0 .. {last})"
-                )
+                raise ValueError(f"{name} token {over} is not a token id of this model (0 .. {last})")
 
     def _token_ids(self, ids: list[int], spans: list[ImageSpan]) -> None:
         """Every id the language model embeds must be one (image positions are replaced, so their

@@ -74,6 +74,7 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     grammar: Any = None  # its GrammarState (structured output), once compiled
+    logit_state: Any = None  # its LogitState (logit_bias, penalties ... as tensors), once sampled
     prompt_logprobs: list = field(default_factory=list)  # prompt positions 1.. so far (if asked)
     # Multimodal rotary positions of the prompt ([3, prompt tokens], Qwen line), set once when the
     # request is added; token i >= the prompt sits at i + mrope_delta on all three axes.

@@ -49,6 +49,9 @@ class StructuredOutputs:
         return kind, value
 
 
+MAX_BAD_WORDS = 128
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1  # independent samples of the prompt (its KV blocks shared through the prefix cache)
@@ -67,6 +70,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 to 100)
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's; None: any)
+    bad_words: list[str] | None = None  # never generated (vLLM's): each as the tokenizer spells it
+    # bad_words as token ids, with and without a leading space: set by the frontend from bad_words
+    # (a caller may set ids instead); a word's last token is banned right after the rest of it.
+    bad_words_token_ids: list[list[int]] | None = None
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output so far
     frequency_penalty: float = 0.0  # minus this times a token's count in the output so far
     presence_penalty: float = 0.0  # minus this once a token is in the output
@@ -155,6 +162,27 @@ class SamplingParams:
                     f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"[:300]
                 )
 
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list | tuple)
+            or len(self.bad_words) > MAX_BAD_WORDS
+            or any(not isinstance(w, str) or not w.strip() or len(w) > 200 for w in self.bad_words)
+        ):
+            raise ValueError(
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                "200 characters"
+            )
+        ids = self.bad_words_token_ids
+        if ids is not None and (
+            not isinstance(ids, list | tuple)
+            or len(ids) > 2 * MAX_BAD_WORDS
+            or any(not isinstance(w, list | tuple) or not 0 < len(w) <= 64 for w in ids)
+            or any(not _integer(t) or t < 0 for w in ids for t in w)
+        ):
+            raise ValueError(
+                f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} non-empty lists of "
+                "at most 64 token ids"
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -166,7 +194,8 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether sampling reads the tokens generated so far (the penalties and a grammar do)."""
-        return self.penalised or self.structured_outputs is not None
+        multi_token_bad_word = any(len(w) > 1 for w in self.bad_words_token_ids or ())
+        return self.penalised or self.structured_outputs is not None or multi_token_bad_word
 
     @property
     def adjusts_logits(self) -> bool:
@@ -175,6 +204,7 @@ class SamplingParams:
             or bool(self.logit_bias)
             or self.min_tokens > 0
             or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
         )
 
 

@@ -71,10 +71,13 @@ class Frontend:
         request_id: str | None = None, priority: int = 0,
     ) -> CoreRequest:  # fmt: skip
         """Processed inputs as a request for a core: the caller's id (refused while it is in use)
-        or the next number, its EOS ids, its arrival. Its outputs are expected from now on."""
+        or the next number, its EOS ids, its bad words as ids, its arrival. Its outputs are
+        expected from now on."""
         request_id = str(next(self._seq)) if request_id is None else str(request_id)
         if request_id in self.output:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self.inputs.bad_words_ids(params.bad_words)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         arrival = time.time()
         self.output.add(request_id, text, ids, params, arrival)

@@ -57,6 +57,18 @@ class InputProcessor:
         if params.structured_outputs is not None and self.grammars is not None:
             await self.grammars.ready(params.structured_outputs)
 
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids the way the model may write it: alone and after a space
+        (vLLM's rule: the spaced form only where it is a different spelling of the same length)."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.strip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.strip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return [ids for ids in out if ids]
+
     def check_length(self, chars: int) -> None:
         """Refuse a prompt whose text alone cannot fit, before tokenizing it (a 4 MB prompt took
         seconds to tokenize only to be refused)."""

@@ -23,6 +23,9 @@ def _reference(
             out[t] = float("-inf")
     for t, b in (p.logit_bias or {}).items():
         out[t] += b
+    for word in p.bad_words_token_ids or ():
+        if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]:
+            out[word[-1]] = float("-inf")
     for t in range(VOCAB):
         if p.repetition_penalty != 1.0 and (t in prompt or t in output):
             out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
@@ -40,6 +43,8 @@ CASES = [
     (SamplingParams(logit_bias={2: 5.0, 9: -100.0}), [1], []),
     (SamplingParams(min_tokens=3, max_tokens=8), [1], [4, 5]),  # masked: 2 < 3
     (SamplingParams(min_tokens=2, max_tokens=8, logit_bias={11: 3.0}), [1], [4, 5]),  # not masked
+    # bad words: 8 always; 9 after "4 5" (it ends the output); 10 after "7 4" (it does not)
+    (SamplingParams(bad_words_token_ids=[[8], [4, 5, 9], [7, 4, 10]], presence_penalty=0.5), [1], [4, 5]),
 ]
 
 
@@ -53,6 +58,26 @@ def test_batched_adjustments_equal_the_reference():
     for i, (p, prompt, out) in enumerate(CASES):
         want = torch.tensor(_reference(logits[i].tolist(), p, prompt, out, stops))
         torch.testing.assert_close(got[i], want, msg=f"case {i}")
+
+
+def test_a_requests_tensors_are_made_once_and_a_steps_view_of_its_output_stays_fixed():
+    from types import SimpleNamespace
+
+    from mm_engine.core.logit_adjust import row_contexts
+
+    params = SamplingParams(frequency_penalty=1.0, logit_bias={t: 1.0 for t in range(VOCAB)})
+    req = SimpleNamespace(params=params, token_ids=[1, 2], prompt_token_ids=[1, 2], num_prompt_tokens=2,
+                          eos_token_ids=frozenset({0}), grammar=None, logit_state=None)  # fmt: skip
+    seen, states = [], []
+    for step in range(100):  # past the first buffer's capacity: the views handed out keep theirs
+        (row,) = row_contexts([req], VOCAB)
+        seen.append(row.output)
+        states.append(row.state)
+        req.token_ids.append(step % VOCAB)
+    assert all(s is req.logit_state for s in states)
+    assert [v.tolist() for v in seen] == [[t % VOCAB for t in range(k)] for k in range(100)]
+    req.token_ids.append(-1)  # a placeholder (a token in flight) is not copied
+    assert row_contexts([req], VOCAB)[0].output.numel() == 100
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_top():
@@ -124,6 +149,21 @@ def test_through_the_engine(clip_llama, mode):
         llm.generate(prompt, SamplingParams(allowed_token_ids=[10**6]))
     with pytest.raises(ValueError, match="allowed_token_ids must be"):
         SamplingParams(allowed_token_ids=[])
+    # bad_words_token_ids: a pair the plain output writes is never written in that order.
+    a, b = plain.token_ids[2], plain.token_ids[3]
+    banned = (
+        llm.generate(
+            prompt,
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words_token_ids=[[a, b]]),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert all((x, y) != (a, b) for x, y in zip(banned, banned[1:])) and banned[:3] == plain.token_ids[:3]
+    with pytest.raises(ValueError, match="bad_words_token_ids token"):
+        llm.generate(prompt, SamplingParams(bad_words_token_ids=[[10**6]]))
+    with pytest.raises(ValueError, match="bad_words must be"):
+        SamplingParams(bad_words=["  "])
 
 
 def test_penalised_tokens_are_the_same_with_async_scheduling(clip_llama):
