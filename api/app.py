@@ -17,6 +17,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin, YamlRenderPlugin
 
 from mm_engine.api.access import access_middleware
+from mm_engine.api.client_sequences import ClientSequences
 from mm_engine.api.context import ServerContext
 from mm_engine.api.errors import EXCEPTION_HANDLERS
 from mm_engine.api.media import MediaFetcher
@@ -51,7 +52,8 @@ def create_app(
         settings.media_fetch_timeout,
         settings.media_max_redirects,
     )
-    ctx = ServerContext(llm, settings, metrics_, fetcher)
+    clients = ClientSequences(settings.max_sequences_per_client, settings.retry_after_seconds)
+    ctx = ServerContext(llm, settings, metrics_, fetcher, clients)
     return Litestar(
         route_handlers=ROUTES,
         state=State({"ctx": ctx}),

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from litestar import Request
 
+from mm_engine.api.client_sequences import ClientSequences
 from mm_engine.api.errors import APIError
 from mm_engine.api.media import MediaFetcher
 from mm_engine.api.metrics import Metrics
@@ -25,6 +26,7 @@ class ServerContext:
     settings: ServerSettings
     metrics: Metrics
     fetcher: MediaFetcher
+    clients: ClientSequences = field(default_factory=lambda: ClientSequences(0))
     created: int = field(default_factory=lambda: int(time.time()))
 
     def model_name(self, requested: str | None) -> str:

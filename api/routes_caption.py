@@ -94,7 +94,7 @@ async def create_caption(
                                 settings, "max_tokens", "prompt")  # fmt: skip
     params = sampling_params(**fields, max_tokens=max_tokens)
     rid = f"caption-{uuid.uuid4().hex}"
-    gen = ctx.llm.generate(inputs, params, rid, priority, arrival)
+    (gen,) = ctx.clients.hold(request, [ctx.llm.generate(inputs, params, rid, priority, arrival)])
     head = _Head(rid, int(arrival), model)
     with client_errors(None):
         if not data.stream:

@@ -139,10 +139,10 @@ async def create_chat_completion(
                                 settings, param, "messages")  # fmt: skip
     params = sampling_params(**fields, max_tokens=max_tokens, min_tokens=data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = [
+    streams = ctx.clients.hold(request, [
         ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", priority, arrival)
         for j, child in enumerate(params.children())
-    ]
+    ])  # fmt: skip
     head = _Head(rid, int(arrival), model, bool(data.stream_options and data.stream_options.include_usage),
                  (data.top_logprobs or 0) if data.logprobs else None, tools)  # fmt: skip
     with client_errors(None):

@@ -117,7 +117,9 @@ async def create_completion(
             inputs_all.append(echoed)
             gens.append((inputs, child))
     echo = inputs_all
-    streams = [ctx.llm.generate(x, p, f"{rid}-{i}", priority, arrival) for i, (x, p) in enumerate(gens)]
+    streams = ctx.clients.hold(
+        request, [ctx.llm.generate(x, p, f"{rid}-{i}", priority, arrival) for i, (x, p) in enumerate(gens)]
+    )
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     head = _Head(rid, int(arrival), model, include_usage, echo, data.logprobs, data.n)
     with client_errors(None):

@@ -62,6 +62,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=_D.max_sequences_per_request,
         help="prompts x n in one request (each is a sequence in the engine)",
     )
+    g.add_argument(
+        "--max-sequences-per-client",
+        type=int,
+        default=_D.max_sequences_per_client,
+        help="sequences in flight from one client address, over all its requests (0: no cap; behind "
+        "a proxy every client shares the proxy's address)",
+    )
     g.add_argument("--default-caption-prompt", default=_D.default_caption_prompt)
     g.add_argument("--header-timeout", type=float, default=_D.header_timeout,
                    help="seconds a client may take to send a request's head (then 408, closed)")  # fmt: skip
@@ -152,6 +159,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         light_input_bytes=args.light_input_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
         max_sequences_per_request=args.max_sequences_per_request,
+        max_sequences_per_client=args.max_sequences_per_client,
         api_key=args.api_key or None,
         api_key_metrics=args.api_key_metrics,
         allow_client_priority=args.allow_client_priority,

@@ -39,6 +39,7 @@ class ServerSettings:
     api_server_index: int = 0  # which of the API servers this is (--api-server-count)
     max_prompts_per_request: int = 64  # /v1/completions: prompts in one request
     max_sequences_per_request: int = 128  # prompts x n in one request
+    max_sequences_per_client: int = 1024  # in flight from one client address (0: no cap)
     api_key: str | None = None  # when set, every route but /health and the playground needs it
     api_key_metrics: bool = False  # /metrics needs the key too
     allow_client_priority: bool = False  # else a request that sets `priority` is refused
@@ -63,7 +64,12 @@ class ServerSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_stop_strings", "media_max_redirects", "retry_after_seconds"):
+        for name in (
+            "max_stop_strings",
+            "media_max_redirects",
+            "retry_after_seconds",
+            "max_sequences_per_client",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
         for name in (

@@ -30,7 +30,7 @@ def offline(clip_llama):
     ("path", "body", "param"),
     [
         ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
-        ("/v1/chat/completions", {**CHAT, "bad_words": ["x"]}, "bad_words"),
+        ("/v1/chat/completions", {**CHAT, "bad_word": ["x"]}, "bad_word"),
         ("/v1/chat/completions", {**CHAT, "functions": []}, "functions"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "foo": 1}]},
          "messages[0].foo"),
@@ -103,6 +103,26 @@ def test_one_request_cannot_start_more_sequences_than_the_cap(http, offline):
     assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
 
 
+def test_one_client_cannot_hold_more_sequences_than_its_cap(http):
+    clients = http.app.state.ctx.clients
+    clients.cap = 3
+    try:
+        r = http.post("/v1/chat/completions", json={**CHAT, "n": 4})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests", r.text
+        assert "max_sequences_per_client=3" in r.json()["error"]["message"]
+        assert http.post("/v1/chat/completions", json={**CHAT, "n": 3}).status_code == 200
+        assert not clients.in_flight  # every unit given back
+        with http.stream("POST", "/v1/chat/completions", json={**CHAT, "n": 3, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # then the client leaves
+        body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 429
+        assert http.post("/v1/completions", json={**body, "n": 1}).status_code == 200
+    finally:
+        clients.cap = 0
+    assert not clients.in_flight
+
+
 def test_vllm_extras_act(http, offline):
     plain = offline.chat(CHAT["messages"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     ids = plain.outputs[0].token_ids
@@ -133,6 +153,15 @@ def test_vllm_extras_act(http, offline):
     assert set(want.token_ids) <= set(only) and r.json()["choices"][0]["message"]["content"] == want.text
     r = http.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [10**8]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    # bad_words: the word the plain answer starts its second word with is never written.
+    r = http.post(
+        "/v1/chat/completions", json={**CHAT, "max_tokens": 8, "ignore_eos": True, "bad_words": [word]}
+    )
+    assert r.status_code == 200, r.text
+    assert word not in r.json()["choices"][0]["message"]["content"].split(), r.text
+    for words, param in (([""], "bad_words[0]"), ([" "], "bad_words"), (["x"] * 129, "bad_words")):
+        r = http.post("/v1/chat/completions", json={**CHAT, "bad_words": words})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     ok = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
     assert ok.status_code == 200, ok.text
     bad = http.post(
