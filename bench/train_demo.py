@@ -11,7 +11,9 @@ the language model's job easy: to name the k-th shape it only has to attend to t
 rank is k. Then the tower is frozen and the projector and language model learn the texts, all the
 questions of a scene packed into one sequence; last, everything is tuned together briefly. The
 per-patch heads are thrown away: the saved checkpoint is a plain `LlavaForConditionalGeneration`.
-Stage one lives in `bench/demo_tower.py`; the texts and the driver are here.
+Stage one lives in `bench/demo_tower.py`; the texts and the driver are here. Training reads a
+word-level vocabulary; the saved checkpoint then gets a byte-level one (`bench.retokenize_demo`) that
+reads the same prompts the same way and can spell JSON.
 
 Reproducible from the seed for a given thread count (float sums may round differently with
 another): the shipped weights are `python -m bench.train_demo --threads 1`, 47 minutes on this
@@ -52,6 +54,7 @@ from bench.demo_tower import (
     tower_loss,
     train_tower,
 )
+from bench.retokenize_demo import retokenize
 from mm_engine.demo import scenes
 
 VISION = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4)
@@ -304,6 +307,7 @@ def main() -> None:
     train_text(model, batcher, random.Random(f"text-{args.seed}"), args.text_steps, 32, 2e-3)
     train_text(model, batcher, random.Random(f"tune-{args.seed}"), args.all_steps, 32, 5e-4, heads)
     save(model.eval(), tokenizer, args.out)
+    print(retokenize(args.out), flush=True)  # the byte-level vocabulary the shipped model has
     print(f"saved to {args.out} after {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     if args.eval_scenes:
         from bench.eval_demo import report

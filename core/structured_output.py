@@ -193,8 +193,9 @@ class Grammars:
             if kind == "json":
                 grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
                 compiled = Compiled(grammar, self._no_control)
-            elif kind == "json_object":
-                compiled = Compiled(compiler.compile_builtin_json_grammar())
+            elif kind == "json_object":  # OpenAI's: a JSON object (the builtin grammar takes any value)
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                compiled = Compiled(grammar, self._no_control)
             elif kind == "regex":
                 compiled = Compiled(compiler.compile_regex(text))
             elif kind == "choice":

@@ -37,6 +37,8 @@ def tool_format_for(model_type: str, chat_template: str | None) -> str | None:
     """The tool-call format of a model, or None when it has none we parse (or its chat template
     cannot show it the tools)."""
     fmt = FAMILY_FORMATS.get(model_type)
+    if fmt is None and chat_template is not None and HermesToolParser.START in chat_template:
+        fmt = "hermes"  # a template that shows the model Hermes' tags, whatever the family
     if fmt is None or chat_template is None or "tools" not in chat_template:
         return None
     return fmt

@@ -7,7 +7,9 @@ are the issue's must-show figures (300 scenes), the same that `python -m bench.e
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,63 @@ def test_example_image_caption(llm):
 
     with Image.open(EXAMPLE) as image:
         assert _ask(llm, [image.convert("RGB")], scenes.CAPTION_PROMPT) == [EXAMPLE_CAPTION]
+
+
+def test_the_byte_level_vocabulary_reads_every_word_as_one_token(llm):
+    """`bench.retokenize_demo`: any text can be spelt, and the model's own words are one token each,
+    bare and after a space, so its prompts read as they did when it was trained."""
+    tok = llm.tokenizer
+    assert type(tok.backend_tokenizer.decoder).__name__ == "ByteLevel"
+    for text in ("a red circle and a blue square.", "how many shapes are there?", '{"x": [1, 2]}'):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+    words = tok("a red circle and a blue square.", add_special_tokens=False)["input_ids"]
+    assert len(words) == 8  # seven words and the full stop
+    assert tok.convert_ids_to_tokens(tok(scenes.prompt("What color is the circle?"))["input_ids"])[:4] == [
+        "<s>", "user", ":", "<image>"
+    ]  # fmt: skip
+
+
+def test_json_mode_works_on_the_demo_model(llm):
+    """A schema gives parseable JSON on the default model, closed where the model would have
+    stopped, holding the model's own words."""
+    from mm_engine.sampling_params import StructuredOutputs
+
+    held_out = scenes.held_out_scenes(4, seed=4)
+    prompts = [{"prompt": scenes.prompt(scenes.CAPTION_PROMPT), "multi_modal_data": {"image": s.image}}
+               for s in held_out]  # fmt: skip
+    schema = {"type": "object", "properties": {"caption": {"type": "string"}}, "required": ["caption"]}
+    so = StructuredOutputs(json=schema)
+    for out in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, structured_outputs=so)):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        words = re.findall(r"[a-z]+", json.loads(out.outputs[0].text)["caption"])
+        assert words and set(words) <= set(llm.tokenizer.get_vocab()), out.outputs[0].text
+
+
+def test_the_playgrounds_json_answer_and_tools_work_on_the_demo_model():
+    """Over HTTP, on the default model: the playground's JSON switch (a json_schema answer) and a
+    named tool choice (its arguments under the tool's schema), both parseable."""
+    from helpers.api import data_url, served_in_process
+
+    buf = io.BytesIO()
+    scenes.held_out_scenes(1, seed=5)[0].image.save(buf, format="PNG")
+    content = [{"type": "image_url", "image_url": {"url": data_url(buf.getvalue())}},
+               {"type": "text", "text": scenes.CAPTION_PROMPT}]  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 40}
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    tool = {"type": "function", "function": {"name": "describe", "parameters": {
+        "type": "object", "properties": {"shapes": {"type": "string"}}, "required": ["shapes"]}}}  # fmt: skip
+    with served_in_process(str(DEMO), kv_cache_memory_bytes=64 * 1024**2) as (_, http):
+        body = {
+            **chat,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        }
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["answer"], str)
+        named = {"type": "function", "function": {"name": "describe"}}
+        r = http.post("/v1/chat/completions", json={**chat, "tools": [tool], "tool_choice": named})
+        assert r.status_code == 200, r.text
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "describe"
+        assert isinstance(json.loads(call["function"]["arguments"])["shapes"], str)
