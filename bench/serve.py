@@ -13,6 +13,9 @@ the image as a base64 data URL; a `--shared-image-fraction` reuse an image sent 
 encoder and prefix caches have something to hit. Every request sets `max_tokens` from
 `bench.vlm.output_lengths` (capped at `--max-output-tokens`); chat also sets `ignore_eos`.
 
+`--peer-url URL` replays the same trace against another OpenAI-compatible server already running on
+the same checkpoint (vLLM's `vllm serve`, say), ABBA with mm-engine, chat requests only.
+
 Printed: a markdown table of the `vllm bench serve` metrics (TTFT, TPOT, ITL, E2EL: mean, median,
 percentiles; request, output-token and total-token throughput; goodput under `--goodput` SLOs),
 overall and per modality; see `bench.serve_metrics` for the definitions. `--json PATH` writes them.
@@ -73,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
                    help="two sets of extra server flags (e.g. '--no-decode-first' ''): the trace "
                    "four times, A B B A, compared")  # fmt: skip
+    p.add_argument("--peer-url", default=None,
+                   help="an OpenAI-compatible server already running on the same checkpoint (e.g. `vllm "
+                   "serve`): the trace four times, mm-engine, peer, peer, mm-engine, compared; chat "
+                   "requests only (use --caption-fraction 0: /v1/caption is ours)")  # fmt: skip
+    p.add_argument("--peer-name", default="peer", help="the peer's label in the tables and JSON")
     p.add_argument("--caption-fraction", type=float, default=0.5)
     p.add_argument("--shared-image-fraction", type=float, default=0.3)
     p.add_argument("--max-output-tokens", type=int, default=128, help="cap on the drawn output lengths")
@@ -254,7 +262,15 @@ def report(args: argparse.Namespace, trace: list[TraceItem], records: list[Reque
     }
 
 
-def run_once(args: argparse.Namespace, trace: list[TraceItem], pngs: list[bytes], n_images: int) -> dict:
+def run_once(
+    args: argparse.Namespace, trace: list[TraceItem], pngs: list[bytes], n_images: int,
+    peer: str | None = None,
+) -> dict:  # fmt: skip
+    """One replay: against `mm-engine serve` started for it, or against `peer`, a running server."""
+    if peer is not None:
+        print(f"replaying {len(trace)} requests against {peer}", flush=True)
+        records, duration = asyncio.run(replay(peer, trace, pngs, args))
+        return report(args, trace, records, duration, n_images)
     with running_server(args) as url:
         print(f"server ready at {url}; replaying {len(trace)} requests", flush=True)
         records, duration = asyncio.run(replay(url, trace, pngs, args))
@@ -269,7 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     pngs = png_bytes(n_images, args.seed)
     base_flags = args.server_args
     configs = None
-    if args.compare_engine_core:
+    if args.peer_url and args.caption_fraction > 0:
+        print("bench.serve: error: --peer-url needs --caption-fraction 0 (the peer has no /v1/caption)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.peer_url:
+        configs = {"mm-engine": "", args.peer_name: None}
+    elif args.compare_engine_core:
         configs = {"thread": "--engine-core thread", "process": "--engine-core process"}
     elif args.compare:
         configs = {(flags.strip() or "default"): flags for flags in args.compare}
@@ -281,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             a, b = configs
             results: dict[str, list[dict]] = {a: [], b: []}
             for label in (a, b, b, a):  # ABBA: drift hits both alike
+                if configs[label] is None:  # the peer, already running
+                    results[label].append(run_once(args, trace, pngs, n_images, peer=args.peer_url))
+                    continue
                 args.server_args = f"{base_flags} {configs[label]}"
                 results[label].append(run_once(args, trace, pngs, n_images))
             result = {

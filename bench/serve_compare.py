@@ -3,8 +3,8 @@ against two server configurations, runs in ABBA order, compared by the mean of e
 
 from __future__ import annotations
 
-COMPARED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
-            "max_itl_ms")  # fmt: skip
+COMPARED = ("output_throughput", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+            "p99_itl_ms", "max_itl_ms")  # fmt: skip
 BY_KIND = ("median_ttft_ms", "p99_ttft_ms", "p99_itl_ms")
 
 
