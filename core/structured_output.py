@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import torch
 
 from mm_engine.config import EngineConfig
 from mm_engine.core.grammar_limits import GrammarLimits
+from mm_engine.core.grammar_probe import GrammarProbe
 from mm_engine.sampling_params import StructuredOutputs
 
 _COMPILE_THREADS = 2
@@ -61,11 +63,14 @@ class Grammars:
         *,
         limits: GrammarLimits | None = None,
         capacity_bytes: int = 512 * 1024**2,
-        timeout_s: float = 10.0,
+        timeout_s: float = 5.0,
+        trial_memory_bytes: int | None = None,
     ) -> None:
         """`tokenizer_loader`: returns the model's tokenizer (called once, on first use).
         `capacity`, `capacity_bytes`: the cache's bounds (compiled grammars, their memory);
-        `timeout_s`: how long `compile` waits for one."""
+        `timeout_s`: how long `compile` waits for one; `trial_memory_bytes`: set, each new spec is
+        first compiled in a process that is stopped past `timeout_s` or this many bytes
+        (core/grammar_probe.py), and only then here."""
         self._load_tokenizer = tokenizer_loader
         self.vocab_size = vocab_size
         self.capacity = capacity
@@ -80,6 +85,9 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mm-grammar")
+        self.trial_memory_bytes = trial_memory_bytes
+        self._probe: GrammarProbe | None = None
+        self._trying: tuple[str, str] | None = None  # the spec whose trial compile runs now
 
     @classmethod
     def for_config(cls, config: EngineConfig, tokenizer_loader, vocab_size: int) -> Grammars:
@@ -88,6 +96,7 @@ class Grammars:
         return cls(
             tokenizer_loader, vocab_size, limits=limits, capacity_bytes=config.grammar_cache_bytes,
             timeout_s=config.grammar_compile_timeout_s,
+            trial_memory_bytes=config.grammar_compile_memory_bytes,
         )  # fmt: skip
 
     def _get_compiler(self):
@@ -96,6 +105,8 @@ class Grammars:
             info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size)
             self._no_control = _packed_row([not any(b < 0x20 for b in t) for t in info.decoded_vocab])
             self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+            if self.trial_memory_bytes:
+                self._probe = GrammarProbe(info.serialize_json(), self.timeout_s, self.trial_memory_bytes)
         return self._compiler
 
     def submit(self, spec: StructuredOutputs) -> Future:
@@ -125,7 +136,7 @@ class Grammars:
         future = self.submit(spec)
         with self._waiter(spec.key(), future):
             try:
-                return future.result(self.timeout_s)
+                return future.result(self._wait_s())
             except TimeoutError:
                 raise ValueError(self.timeout_message(spec)) from None
 
@@ -135,15 +146,15 @@ class Grammars:
         future = self.submit(spec)
         with self._waiter(spec.key(), future):
             try:
-                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
+                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._wait_s())
             except TimeoutError:
                 raise ValueError(self.timeout_message(spec)) from None
 
     @contextlib.contextmanager
     def _waiter(self, key: tuple[str, str], future: Future) -> Iterator[None]:
-        """Count who waits on a compile; when the last one leaves before the compile has started
-        (timed out, or its client went away), the compile is dropped, so a burst of abandoned
-        specs does not keep the compile thread busy after their 400s."""
+        """Count who waits on a compile; when the last one leaves (timed out, or its client went
+        away) before the compile has started, it is dropped, and during its trial, the trial is
+        stopped: a burst of abandoned specs does not keep the compile thread busy after their 400s."""
         with self._lock:
             self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
@@ -151,13 +162,21 @@ class Grammars:
         finally:
             with self._lock:
                 left = self._waiting.pop(key) - 1
-                drop = not left and self._cache.get(key) is future and not (future.done() or future.running())
+                ours = not left and self._cache.get(key) is future
+                drop = ours and not (future.done() or future.running())
+                stop = ours and self._trying == key
                 if left:
                     self._waiting[key] = left
                 elif drop:
                     del self._cache[key]
             if drop:
                 future.cancel()  # outside the lock: its done-callbacks take it; a started one runs on
+            elif stop and self._probe is not None:
+                self._probe.stop()  # its trial compile: the future fails, and is not cached
+
+    def _wait_s(self) -> float:
+        """How long a waiter waits: the timeout, and the trial process's start while it has none."""
+        return self.timeout_s + (GrammarProbe.start_allowance() if self.trial_memory_bytes else 0.0)
 
     def timeout_message(self, spec: StructuredOutputs) -> str:
         kind = spec.key()[0]
@@ -186,31 +205,19 @@ class Grammars:
             key, _ = self._cache.popitem(last=False)
             self.cached_bytes -= self._sizes.pop(key, 0)
 
-    def _compile(self, key: tuple[str, str]) -> Any:
+    def _compile(self, key: tuple[str, str]) -> Compiled:
         kind, text = key
         compiler = self._get_compiler()
-        try:
-            if kind == "json":
-                grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-                compiled = Compiled(grammar, self._no_control)
-            elif kind == "json_object":  # OpenAI's: a JSON object (the builtin grammar takes any value)
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                compiled = Compiled(grammar, self._no_control)
-            elif kind == "regex":
-                compiled = Compiled(compiler.compile_regex(text))
-            elif kind == "choice":
-                import json
-
-                xgr = _xgr()
-                choices = json.loads(text)
-                ebnf = "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
-                compiled = Compiled(compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf)))
-            else:
-                compiled = Compiled(compiler.compile_grammar(text))
-        except ValueError:
-            raise
-        except Exception as exc:  # xgrammar reports bad specs as RuntimeError and the like
-            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(exc)}") from None
+        if self._probe is not None:  # a trial run that can be stopped first (core/grammar_probe.py)
+            with self._lock:
+                self._trying = key
+            try:
+                self._probe.check(kind, text)
+            finally:
+                with self._lock:
+                    self._trying = None
+        grammar = compile_spec(compiler, kind, text)
+        compiled = Compiled(grammar, self._no_control if kind in ("json", "json_object") else None)
         if not _can_start(compiled, self.vocab_size):
             raise ValueError(
                 f"structured_outputs.{kind} accepts no output that this model's vocabulary can begin"
@@ -219,6 +226,29 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_spec(compiler: Any, kind: str, text: str) -> Any:
+    """xgrammar's CompiledGrammar of a spec (`StructuredOutputs.key()`); ValueError naming a spec
+    it cannot compile, MemoryError when it ran out of memory."""
+    xgr = _xgr()
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "json_object":  # OpenAI's: a JSON object (the builtin grammar takes any value)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "choice":
+            ebnf = "root ::= " + " | ".join(_ebnf_string(c) for c in json.loads(text))
+            return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+        return compiler.compile_grammar(text)
+    except (ValueError, MemoryError):
+        raise
+    except Exception as exc:  # xgrammar reports bad specs as RuntimeError and the like
+        if "bad_alloc" in str(exc):
+            raise MemoryError(str(exc)) from None
+        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(exc)}") from None
 
 
 def _can_start(compiled: Compiled, vocab_size: int) -> bool:

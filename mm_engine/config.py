@@ -58,10 +58,13 @@ class EngineConfig:
     decode_first: bool = True
     # Structured output: specs over these are refused before compiling (core/grammar_limits.py);
     # a compile that takes longer than the timeout is a 400; compiled grammars cached up to the bytes.
+    # Each new spec is first compiled in a process of its own, stopped past the timeout or the
+    # memory (core/grammar_probe.py); 0: no such trial (a compile then cannot be stopped).
     max_grammar_bytes: int = 64 * 1024
     max_grammar_entries: int = 1000
     max_grammar_depth: int = 64
-    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_timeout_s: float = 5.0
+    grammar_compile_memory_bytes: int = 2 * 1024**3
     grammar_cache_bytes: int = 512 * 1024**2
     preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
     # With running decodes, the prefill tokens (and, beyond one image, the image tokens encoded) a
@@ -118,6 +121,10 @@ class EngineConfig:
         if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens < 0:
             raise ValueError(
                 f"decode_step_prefill_tokens must be at least 0, got {self.decode_step_prefill_tokens}"
+            )
+        if self.grammar_compile_memory_bytes < 0:
+            raise ValueError(
+                f"grammar_compile_memory_bytes must be at least 0, got {self.grammar_compile_memory_bytes}"
             )
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(

@@ -213,6 +213,58 @@ def test_a_grammar_no_token_can_begin_is_refused(bytelevel, clip_llama):
             words.generate("USER: hi ASSISTANT:", _params(0, json_object=True))
 
 
+# Within every limit, yet its compile takes a second or more, and tens of MiB (a 2-core EPYC).
+MANY = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(900)}}
+
+
+def _grammars(path: str, **kw):
+    from transformers import AutoTokenizer
+
+    from mm_engine.core.structured_output import Grammars
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return Grammars(lambda: tok, len(tok), **kw)
+
+
+def test_a_trial_compile_past_its_deadline_or_memory_is_stopped_and_refused(bytelevel):
+    """core/grammar_probe.py: the trial process is killed at the deadline or the memory cap, the
+    spec refused by name, and the next spec gets a fresh process."""
+    slow = _grammars(bytelevel, timeout_s=0.05, trial_memory_bytes=1024**3)
+    with pytest.raises(ValueError, match=r"structured_outputs.json took longer than 0.05 s"):
+        slow.compile(StructuredOutputs(json=MANY))
+    small = _grammars(bytelevel, timeout_s=60, trial_memory_bytes=8 * 1024**2)
+    with pytest.raises(ValueError, match=r"structured_outputs.json needs more than 8 MiB"):
+        small.compile(StructuredOutputs(json=MANY))
+    assert small.compile(StructuredOutputs(regex="[a-c]+")) is not None
+    roomy = _grammars(bytelevel, timeout_s=60, trial_memory_bytes=1024**3)
+    assert roomy.compile(StructuredOutputs(json=MANY)) is not None
+    with pytest.raises(ValueError, match="cannot be compiled"):  # xgrammar's refusal, from the trial
+        roomy.compile(StructuredOutputs(regex="a{2}{3}"))
+
+
+def test_a_trial_compile_whose_every_client_left_is_stopped(bytelevel):
+    import asyncio
+
+    grammars = _grammars(bytelevel, timeout_s=60, trial_memory_bytes=1024**3)
+    spec = StructuredOutputs(json=MANY)
+
+    async def leave_during_the_trial():
+        waiter = asyncio.ensure_future(grammars.ready(spec))
+        while grammars._trying is None:
+            assert not waiter.done(), waiter.exception()
+            await asyncio.sleep(0.005)
+        future = grammars._cache[spec.key()]
+        waiter.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return future
+
+    future = asyncio.run(leave_during_the_trial())
+    with pytest.raises(ValueError, match="compile stopped, its every client left"):
+        future.result(30)
+    assert spec.key() not in grammars._cache  # not kept: the next request compiles it anew
+
+
 def test_the_grammar_cache_is_bounded_by_bytes(bytelevel):
     llm = LLM(bytelevel, **KW, grammar_cache_bytes=1)
     grammars = llm.engine.inputs.grammars
