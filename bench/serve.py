@@ -212,7 +212,7 @@ async def replay(
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         if not args.no_warmup:  # a fresh image, so the trace's first use of an image stays a miss
             warm = png_bytes(1, seed=args.seed + 1_000_003)[0]
-            for kind in ("caption", "chat"):
+            for kind in ("caption", "chat") if args.caption_fraction > 0 else ("chat",):
                 rec = await send(client, TraceItem(0.0, kind, 0, 4, CHAT_QUESTIONS[0]), warm, model)
                 if not rec.success:
                     raise RuntimeError(f"warm-up {kind} request failed: {rec.error}")
