@@ -64,6 +64,10 @@ def vision_tower_class(model_type: str):
         )
 
         return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+        return Qwen3VLMoeVisionModel
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     return Qwen3VLVisionModel

@@ -1,4 +1,4 @@
-"""Qwen3-VL, dense (`Qwen3VLForConditionalGeneration`).
+"""Qwen3-VL, dense (`Qwen3VLForConditionalGeneration`) and MoE (`Qwen3VLMoeForConditionalGeneration`).
 
 Processing and positions are Qwen2-VL's (qwen2_vl.py), with two differences in the model: the
 language model is Qwen3's (an RMSNorm over each head of q and k, no projection biases) with
@@ -15,7 +15,7 @@ import torch
 
 from mm_engine.models.qwen2_vl import Qwen2VLModel, QwenProcessing, check_config
 
-__all__ = ["Qwen3VLModel", "QwenProcessing", "check_config"]
+__all__ = ["Qwen3VLModel", "Qwen3VLMoeModel", "QwenProcessing", "check_config"]
 
 
 class Qwen3VLModel(Qwen2VLModel):
@@ -31,3 +31,11 @@ class Qwen3VLModel(Qwen2VLModel):
 
     def _extras(self, out) -> list[torch.Tensor]:
         return list(out.deepstack_features)
+
+
+class Qwen3VLMoeModel(Qwen3VLModel):
+    """Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`, Qwen3-VL-30B-A3B and 235B-A22B): the
+    same model with mixture-of-experts feed-forward layers (models/layers/moe.py), which the
+    decoder builds from the text config."""
+
+    family = "Qwen3-VL-MoE"

@@ -113,8 +113,11 @@ def destroy_group() -> None:
 
 
 def check_divisible(text_config, world: int) -> None:
-    """Attention heads, KV heads and the MLP width must split evenly over the ranks."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    """Attention heads, KV heads and the MLP width (each expert's, with MoE) must split evenly."""
+    names = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    if getattr(text_config, "num_experts", 0):
+        names.append("moe_intermediate_size")  # each expert's width is split too
+    for name in names:
         n = getattr(text_config, name)
         if n % world:
             raise ValueError(

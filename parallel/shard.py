@@ -1,6 +1,7 @@
 """Which part of each language-model weight a tensor-parallel rank holds (Megatron's split):
 q, k, v, gate and up by output rows (heads, columns), o_proj and down by input columns, the
-embedding and the LM head by vocabulary rows; norms whole. A row-parallel layer's bias is added
+embedding and the LM head by vocabulary rows; norms whole. Experts (MoE) split the same way
+inside each expert; the router is whole. A row-parallel layer's bias is added
 once, after the sum over ranks: rank 0 holds it, the others zeros."""
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ def shard_state(state: dict, lm: nn.Module, tp: TPGroup) -> dict[str, torch.Tens
             out[key] = _whole(ref)
             continue
         layer = key.split(".")[-2] if "." in key else ""
-        if key in VOCAB:
+        if key.endswith("experts.gate_up_proj"):  # [experts, hidden, 2 x width]: gate, then up
+            out[key] = _expert_columns(_whole(ref), want[-1] // 2, tp)
+        elif key.endswith("experts.down_proj"):  # [experts, width, hidden]
+            out[key] = _range(ref, 1, tp.rank * want[1], want[1])
+        elif key in VOCAB:
             out[key] = _vocab_rows(ref, want, tp)
         elif layer in COLUMN:
             out[key] = _range(ref, 0, tp.rank * want[0], want[0])
@@ -36,6 +41,13 @@ def shard_state(state: dict, lm: nn.Module, tp: TPGroup) -> dict[str, torch.Tens
         else:
             out[key] = _whole(ref)
     return out
+
+
+def _expert_columns(whole: torch.Tensor, width: int, tp: TPGroup) -> torch.Tensor:
+    """This rank's columns of every expert's gate and of its up, side by side again."""
+    half = whole.shape[-1] // 2
+    lo = tp.rank * width
+    return torch.cat([whole[..., lo : lo + width], whole[..., half + lo : half + lo + width]], dim=-1)
 
 
 def _whole(ref) -> torch.Tensor:

@@ -19,7 +19,12 @@ import uuid
 from dataclasses import dataclass
 
 # Families whose chat templates ask for tool calls in a format we parse, and that format.
-FAMILY_FORMATS = {"qwen2_vl": "hermes", "qwen2_5_vl": "hermes", "qwen3_vl": "hermes"}
+FAMILY_FORMATS = {
+    "qwen2_vl": "hermes",
+    "qwen2_5_vl": "hermes",
+    "qwen3_vl": "hermes",
+    "qwen3_vl_moe": "hermes",
+}
 
 
 @dataclass(frozen=True, slots=True)

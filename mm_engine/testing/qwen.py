@@ -1,4 +1,4 @@
-"""Small random Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints laid out as the published ones are
+"""Small random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints laid out as the published ones are
 (config, safetensors, tokenizer, processor with its image and video processors, chat template),
 for tests and benchmarks. Nothing is downloaded; random weights generate arbitrary tokens."""
 
@@ -38,7 +38,9 @@ QWEN_CHAT_TEMPLATE = (
     "</tool_call>{% endfor %}<|im_end|> {% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3-VL-MoE's experts, tiny: 4 of width 32, 2 per token, every layer sparse.
+MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
 
 
 def build_qwen_tokenizer(vocab_size: int | None = None, byte_level: bool = False) -> PreTrainedTokenizerFast:
@@ -91,6 +93,8 @@ def build_qwen_checkpoint(
             window_size=patch_size * merge * 2, fullatt_block_indexes=[1],
         )  # fmt: skip
     else:
+        if version == "qwen3_vl_moe":
+            text.update({**MOE_TEXT, **(text_dims or {})})
         rope.update(
             mrope_interleaved=True,
             mrope_section=[half - 2 * (5 * half // 16), 5 * half // 16, 5 * half // 16],
@@ -122,7 +126,7 @@ def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max
 
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image = Qwen2VLImageProcessor(patch_size=patch_size, merge_size=merge, temporal_patch_size=2, size=size)
-    if version == "qwen3_vl":
+    if version in ("qwen3_vl", "qwen3_vl_moe"):
         from transformers import Qwen3VLProcessor as Processor
         from transformers import Qwen3VLVideoProcessor as Video
     else:

@@ -1,4 +1,4 @@
-"""The decoder-only language model (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The decoder-only language model (Llama, Mistral, Qwen2/3, Qwen3's MoE) over a paged KV cache.
 
 Parameter names follow the Hugging Face checkpoints (`layers.N.self_attn.q_proj` and so on), so
 loading is a rename of prefixes and nothing more. Whether a projection has a bias is read from the
@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
 
 
@@ -213,11 +214,12 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
 class DecoderLayer(nn.Module):
     def __init__(
         self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
-        tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
+        tp: TPGroup | None = None, dtype: torch.dtype = torch.float32, sparse: bool = False,
     ) -> None:  # fmt: skip
+        """`sparse`: a mixture of experts (moe.py) in place of the MLP."""
         super().__init__()
         self.self_attn = Attention(config, head_dim, bias, ops, qk_norm, tp, dtype)
-        self.mlp = MLP(config, bias["mlp"], ops, tp, dtype)
+        self.mlp = SparseMoE(config, ops, tp, dtype) if sparse else MLP(config, bias["mlp"], ops, tp, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
@@ -262,8 +264,8 @@ class DecoderLM(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, bias, ops, qk_norm, tp, dtype)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, head_dim, bias, ops, qk_norm, tp, dtype, is_sparse(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.rotary = Rotary(config, head_dim, mrope_streams)

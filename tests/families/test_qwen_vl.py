@@ -1,6 +1,6 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: greedy tokens equal to transformers' `generate` on tiny
-random checkpoints (every attention backend, images split across prefill chunks, preemption),
-M-RoPE positions and processing equal to transformers', prefix and encoder reuse, limits."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: greedy tokens equal to transformers'
+`generate` on tiny random checkpoints (every attention backend, images split across prefill chunks,
+preemption), M-RoPE positions and processing equal to transformers', prefix and encoder reuse, limits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from helpers.families import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
 from helpers.images import make_image
 
-VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def prompt(question: str, n_images: int = 0) -> str:

@@ -1,0 +1,101 @@
+"""Mixture-of-experts feed-forward (Qwen3-VL-MoE's, Qwen3-MoE's): a router scores every expert
+for each token, the top `num_experts_per_tok` are kept (softmax, renormalised over them with
+`norm_topk_prob`), and the token's output is their weighted sum.
+
+Grouped: the (token, expert) pairs are sorted by expert, and each expert that any token chose runs
+once, as one matmul pair over all of its tokens; an expert no token chose costs nothing. The loop
+is over experts with work, never over tokens.
+
+Weights are kept as the checkpoints store them, `experts.gate_up_proj` `[experts, hidden,
+2 x intermediate]` (gate, then up) and `experts.down_proj` `[experts, intermediate, hidden]`, so
+`x @ w` needs no transpose. The router is a plain parameter, never a packed linear: routing is a
+discrete choice, and it must see the very logits transformers computes. With `tp`, each expert's
+intermediate dimension is split (gate and up by columns, down by rows) and the ranks' outputs summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.parallel.group import TPGroup
+
+
+def is_sparse(config, layer: int) -> bool:
+    """Whether decoder layer `layer` has experts (transformers' rule for the Qwen MoE line)."""
+    experts = getattr(config, "num_experts", 0) or 0
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = getattr(config, "mlp_only_layers", None) or []
+    return experts > 0 and layer not in dense and (layer + 1) % step == 0
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self, config, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        experts, hidden = config.num_experts, config.hidden_size
+        width = config.moe_intermediate_size // (tp.world if tp is not None else 1)
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = getattr(config, "norm_topk_prob", None) is not False  # Qwen3-VL-MoE: always
+        self.gate = _Router(experts, hidden, dtype)
+        self.experts = _Experts(experts, hidden, width, dtype)
+        self.act = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
+        self.ops, self.tp = ops, tp
+
+    def fuse(self) -> None:
+        """Nothing to fuse: gate and up are one tensor already (DecoderLM calls it on every MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.gate.route(x, self.top_k, self.renormalise)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order within each
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.experts.num).tolist()
+        rows = x[token]
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out_rows[start : start + n] = self._expert(e, rows[start : start + n])
+                start += n
+        out = torch.zeros_like(x)
+        out.index_add_(0, token, out_rows * weights.reshape(-1)[order, None])
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.experts.gate_up_proj[e]
+        if self.silu:
+            h = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return h @ self.experts.down_proj[e]
+
+
+class _Router(nn.Module):
+    """`gate.weight` `[experts, hidden]`, as transformers' top-k router."""
+
+    def __init__(self, experts: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden, dtype=dtype))
+
+    def route(self, x: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's k experts `[tokens, k]` and their weights, in x's dtype."""
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(k, dim=-1)
+        if renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+
+class _Experts(nn.Module):
+    def __init__(self, experts: int, hidden: int, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num = experts
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, hidden, 2 * width, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(experts, width, hidden, dtype=dtype))

@@ -1,0 +1,62 @@
+"""The mixture-of-experts layer (models/layers/moe.py): grouped by expert, it equals the plain
+per-token definition (softmax over experts, top-k, renormalised, weighted sum of SwiGLU experts),
+and a tensor-parallel split of every expert's width sums back to the whole."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from mm_engine.models.layers.moe import SparseMoE, is_sparse
+from mm_engine.parallel.group import TPGroup
+from mm_engine.parallel.shard import shard_state
+
+CONFIG = SimpleNamespace(num_experts=6, num_experts_per_tok=2, hidden_size=16, moe_intermediate_size=8,
+                         hidden_act="silu", norm_topk_prob=None)  # fmt: skip
+
+
+def _random_moe(seed: int = 0, tp: TPGroup | None = None) -> SparseMoE:
+    gen = torch.Generator().manual_seed(seed)
+    moe = SparseMoE(CONFIG, tp=tp)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return moe
+
+
+def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = (moe.gate.weight @ x[t]).softmax(-1)
+        top = probs.topk(CONFIG.num_experts_per_tok)
+        for w, e in zip(top.values / top.values.sum(), top.indices.tolist(), strict=True):
+            gate, up = (x[t] @ moe.experts.gate_up_proj[e]).chunk(2)
+            out[t] += w * ((torch.nn.functional.silu(gate) * up) @ moe.experts.down_proj[e])
+    return out
+
+
+def test_grouped_experts_equal_the_per_token_definition():
+    moe = _random_moe()
+    x = torch.randn(37, CONFIG.hidden_size, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moe(x), _reference(moe, x), rtol=1e-4, atol=1e-4)
+    assert moe(x[:0]).shape == (0, CONFIG.hidden_size)  # an empty batch (a step with no tokens here)
+
+
+def test_a_split_of_every_experts_width_sums_to_the_whole():
+    whole = _random_moe()
+    x = torch.randn(9, CONFIG.hidden_size, generator=torch.Generator().manual_seed(2))
+    parts = []
+    for rank in range(2):
+        tp = TPGroup(rank, 2, torch.device("cpu"))
+        shard = SparseMoE(CONFIG, tp=tp)
+        shard.load_state_dict(shard_state(dict(whole.state_dict()), shard, tp))
+        shard.tp = None  # summed here instead of by a collective
+        parts.append(shard(x))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x), rtol=1e-4, atol=1e-4)
+
+
+def test_which_layers_are_sparse():
+    cfg = SimpleNamespace(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [is_sparse(cfg, i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not is_sparse(SimpleNamespace(num_experts=0), 0)
