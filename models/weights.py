@@ -11,6 +11,7 @@ from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import DecoderLM
+from mm_engine.models.layers.moe import checkpoint_layout
 from mm_engine.models.platform import Platform, adapt_vision_tower, pack_model_linears
 from mm_engine.parallel.group import TPGroup, check_divisible
 from mm_engine.parallel.shard import shard_state
@@ -109,6 +110,8 @@ def build_language_model(
     qk_norm = qk_norm or "layers.0.self_attn.q_norm.weight" in lm_state
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
     tie = "lm_head.weight" not in lm_state
+    if getattr(text_config, "num_experts", 0):
+        lm_state = checkpoint_layout(lm_state, text_config)
     if tp is not None:
         check_divisible(text_config, tp.world)
     with torch.device(device):

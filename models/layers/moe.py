@@ -6,7 +6,8 @@ Grouped: the (token, expert) pairs are sorted by expert, and each expert that an
 once, as one matmul pair over all of its tokens; an expert no token chose costs nothing. The loop
 is over experts with work, never over tokens.
 
-Weights are kept as the checkpoints store them, `experts.gate_up_proj` `[experts, hidden,
+Weights are kept as the published checkpoints store them (transformers' own layout is transposed
+on load, `checkpoint_layout`), `experts.gate_up_proj` `[experts, hidden,
 2 x intermediate]` (gate, then up) and `experts.down_proj` `[experts, intermediate, hidden]`, so
 `x @ w` needs no transpose. The router is a plain parameter, never a packed linear: routing is a
 discrete choice, and it must see the very logits transformers computes. With `tp`, each expert's
@@ -30,6 +31,27 @@ def is_sparse(config, layer: int) -> bool:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     dense = getattr(config, "mlp_only_layers", None) or []
     return experts > 0 and layer not in dense and (layer + 1) % step == 0
+
+
+def checkpoint_layout(state: dict, config) -> dict:
+    """`state` with every expert tensor in the layout this layer keeps. Published checkpoints
+    store `[experts, hidden, 2 x width]` and `[experts, width, hidden]`; transformers 5 keeps (and
+    saves) them transposed. The shape tells which, unless hidden equals the other side, where the
+    published layout is assumed."""
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    out = dict(state)
+    for key, ref in state.items():
+        if key.endswith("experts.gate_up_proj"):
+            want = (hidden, 2 * width)
+        elif key.endswith("experts.down_proj"):
+            want = (width, hidden)
+        else:
+            continue
+        shape = tuple(ref.shape[-2:])
+        if shape != want and shape == want[::-1]:
+            tensor = ref.load() if hasattr(ref, "load") else ref
+            out[key] = tensor.transpose(-1, -2).contiguous()
+    return out
 
 
 class SparseMoE(nn.Module):

@@ -233,12 +233,13 @@ def test_swap_preemption_over_the_ranks(clip_llama):
 
 
 # One family per language-model and connector path: Qwen2-VL (M-RoPE, image grids), Qwen3-VL
-# (DeepStack, q/k norms, interleaved M-RoPE), Idefics3 (padded crops with a pixel mask), InternVL
-# (pixel shuffle, the tower/projector layout), Mistral 3 (patch merger), LLaVA-OneVision (anyres
-# packing, Qwen2's biases). Their twins share these paths: Qwen2.5-VL, SmolVLM, InternVL-Qwen3,
-# LLaVA-NeXT. LLaVA is above, Gemma 3 in tests/families/test_gemma3.py.
+# (DeepStack, q/k norms, interleaved M-RoPE), Qwen3-VL-MoE (each expert's width split), Idefics3
+# (padded crops with a pixel mask), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
+# (patch merger), LLaVA-OneVision (anyres packing, Qwen2's biases). Their twins share these paths:
+# Qwen2.5-VL, SmolVLM, InternVL-Qwen3, LLaVA-NeXT. LLaVA is above, Gemma 3 in
+# tests/families/test_gemma3.py.
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen3_vl", "idefics3", "internvl", "mistral3", "llava_onevision"]
+    "family", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3", "internvl", "mistral3", "llava_onevision"]
 )
 def test_the_families_split_over_two_ranks(vl_family, family):
     """TP=2 against transformers, two images in one step so that the worker encodes a share."""

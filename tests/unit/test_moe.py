@@ -60,3 +60,15 @@ def test_which_layers_are_sparse():
     cfg = SimpleNamespace(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
     assert [is_sparse(cfg, i) for i in range(6)] == [False, True, False, False, False, True]
     assert not is_sparse(SimpleNamespace(num_experts=0), 0)
+
+
+def test_both_expert_layouts_load_as_the_published_one():
+    from mm_engine.models.layers.moe import checkpoint_layout
+
+    narrow = SimpleNamespace(**{**vars(CONFIG), "moe_intermediate_size": 4})  # 2 x 4 != hidden 16
+    published = dict(SparseMoE(narrow).state_dict())
+    published = {k: torch.randn(v.shape) for k, v in published.items()}
+    transposed = {k: v.transpose(-1, -2) if "experts" in k else v for k, v in published.items()}
+    for state in (published, transposed):  # hub checkpoints, and what transformers 5 saves
+        loaded = checkpoint_layout(state, narrow)
+        assert all(torch.equal(loaded[k], published[k]) for k in published)
