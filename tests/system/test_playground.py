@@ -74,7 +74,7 @@ def test_chat_with_an_uploaded_image_in_headless_chromium(server):
         done = ".msg.assistant[data-done='true'], .msg.error"
         answer = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, done))
         assert "error" not in answer.get_attribute("class"), answer.text
-        assert answer.find_element(By.CSS_SELECTOR, ".text").text == want.strip()
+        assert answer.find_element(By.CSS_SELECTOR, ".text").text.strip() == want.strip()  # " a red ..."
         stats = driver.find_element(By.ID, "stats").text
         assert re.search(r"TTFT \d+\.\d\d s · \d+ tokens · [\d.]+ tokens/s", stats), stats
         assert driver.find_elements(By.CSS_SELECTOR, ".msg.user img")  # the image went with the question
