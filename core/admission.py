@@ -41,6 +41,10 @@ class Admission:
             if over is not None:
                 last = self.vocab_size - 1
                 raise ValueError(f"{name} token {over} is not a token id of this model (0 .. {last})")
+        banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= banned:
+            # Every logit would be -inf: nothing to sample, and NaN logprobs.
+            raise ValueError("allowed_token_ids and bad_words together leave no token to sample")
 
     def _token_ids(self, ids: list[int], spans: list[ImageSpan]) -> None:
         """Every id the language model embeds must be one (image positions are replaced, so their

@@ -163,6 +163,8 @@ def test_through_the_engine(clip_llama, mode):
     assert banned[:3] == plain.token_ids[:3]
     with pytest.raises(ValueError, match="bad_words_token_ids token"):
         llm.generate(prompt, SamplingParams(bad_words_token_ids=[[10**6]]))
+    with pytest.raises(ValueError, match="leave no token"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[a], bad_words_token_ids=[[a]]))
     with pytest.raises(ValueError, match="bad_words must be"):
         SamplingParams(bad_words=["  "])
 
