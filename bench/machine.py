@@ -20,7 +20,7 @@ from mm_engine.models.layers.packed_linear import PackedLinear, can_pack
 from mm_engine.models.llava import feature_layers, tokens_per_image
 
 
-def _best_seconds(fn, reps: int) -> float:
+def best_seconds(fn, reps: int) -> float:
     fn()  # warm-up: first-call allocations, thread pool start
     best = float("inf")
     for _ in range(reps):
@@ -43,11 +43,11 @@ def matmul_flops_per_s(
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         out = torch.empty(n, n)
-        best = max(best, 2 * n**3 / _best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps))
+        best = max(best, 2 * n**3 / best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), reps))
         linear = torch.nn.Linear(n, n, bias=False)
         if can_pack(linear):
             packed = PackedLinear(linear)
-            best = max(best, 2 * n**3 / _best_seconds(lambda a=a, packed=packed: packed(a), reps))
+            best = max(best, 2 * n**3 / best_seconds(lambda a=a, packed=packed: packed(a), reps))
     return best
 
 
@@ -61,14 +61,14 @@ def _gpu_matmul_flops_per_s(sizes, reps: int, device: torch.device, dtype) -> fl
                 torch.mm(a, b)
             torch.cuda.synchronize(device)
 
-        best = max(best, 10 * 2 * n**3 / _best_seconds(ten, reps))
+        best = max(best, 10 * 2 * n**3 / best_seconds(ten, reps))
     return best
 
 
 def memory_bytes_per_s(mib: int = 512, reps: int = 5) -> float:
     """Read bandwidth: summing a tensor far larger than the caches, as decode streams the weights."""
     x = torch.ones(mib * 1024**2 // 4)
-    return x.numel() * 4 / _best_seconds(lambda: x.sum(), reps)
+    return x.numel() * 4 / best_seconds(lambda: x.sum(), reps)
 
 
 def machine_info() -> dict:

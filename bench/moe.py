@@ -12,22 +12,12 @@ alternate the three; each figure is the best of `--reps`.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from bench.machine import machine_info
+from bench.machine import best_seconds, machine_info
 from bench.save import save_json
 from mm_engine.models.layers.moe import SparseMoE
-
-
-def _best(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             times = dict.fromkeys(runs, float("inf"))
             for _ in range(2):  # alternate, so that drift hits all three
                 for name, fn in runs.items():
-                    times[name] = min(times[name], _best(fn, args.reps))
+                    times[name] = min(times[name], best_seconds(fn, args.reps))
             row = {"tokens": n, **{k: v * 1e3 for k, v in times.items()}}
             row["transformers_over_ours"] = times["transformers"] / times["ours"]
             row["dense_over_ours"] = times["dense"] / times["ours"]

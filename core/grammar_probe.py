@@ -164,7 +164,7 @@ def _serve(memory_bytes: int) -> None:
     sys.stdout = sys.stderr  # a library's print must not break the replies
     import xgrammar
 
-    from mm_engine.core.structured_output import compile_spec
+    from mm_engine.core.grammar_compile import compile_spec
 
     # The cap counts from here: what importing took is not the grammar's.
     with open("/proc/self/statm") as f:

@@ -81,7 +81,7 @@ class LogitState:
     def on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
         """The constant tensors on `device`, copied there once."""
         if device not in self._on_device:
-            names = ("bias_ids", "bias_values", "allowed_ids", "prompt_ids", "bad_single")
+            names = ("bias_ids", "bias_values", "allowed_ids", "bad_single")  # prompt ids stay on the host
             self._on_device[device] = {
                 n: None if getattr(self, n) is None else getattr(self, n).to(device) for n in names
             }

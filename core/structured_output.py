@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ from typing import Any
 import torch
 
 from mm_engine.config import EngineConfig
+from mm_engine.core.grammar_compile import compile_spec
 from mm_engine.core.grammar_limits import GrammarLimits
 from mm_engine.core.grammar_probe import GrammarProbe
 from mm_engine.sampling_params import StructuredOutputs
@@ -228,47 +227,12 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def compile_spec(compiler: Any, kind: str, text: str) -> Any:
-    """xgrammar's CompiledGrammar of a spec (`StructuredOutputs.key()`); ValueError naming a spec
-    it cannot compile, MemoryError when it ran out of memory."""
-    xgr = _xgr()
-    try:
-        if kind == "json":
-            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-        if kind == "json_object":  # OpenAI's: a JSON object (the builtin grammar takes any value)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":
-            ebnf = "root ::= " + " | ".join(_ebnf_string(c) for c in json.loads(text))
-            return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
-        return compiler.compile_grammar(text)
-    except (ValueError, MemoryError):
-        raise
-    except Exception as exc:  # xgrammar reports bad specs as RuntimeError and the like
-        if "bad_alloc" in str(exc):
-            raise MemoryError(str(exc)) from None
-        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_first_line(exc)}") from None
-
-
 def _can_start(compiled: Compiled, vocab_size: int) -> bool:
     """Whether some token may come first (an empty language, or one whose first characters no
     token spells, leaves none: the request would only emit padding until max_tokens)."""
     bitmask = allocate_bitmask(1, vocab_size)
     GrammarState(compiled).fill(bitmask, 0)
     return bool(bitmask.any())
-
-
-def _ebnf_string(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _first_line(exc: Exception) -> str:
-    """The library's message without its log prefix (a time and a source path of its build)."""
-    lines = str(exc).strip().splitlines()
-    if not lines:
-        return type(exc).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0])[:300]
 
 
 def _packed_row(ok: list[bool]) -> torch.Tensor:
