@@ -49,6 +49,10 @@ class _EngineCollector(Collector):
         for pool in POOLS:
             usage.add_metric([pool], s.get("kv_cache_usage_perc", {}).get(pool, 0.0))
         yield usage
+        if s.get("state_slots_total"):  # a hybrid model
+            used, total = s.get("state_slots_used", 0), s["state_slots_total"]
+            doc = "Fraction of the recurrent-state slots in use (0 to 1)."
+            yield GaugeMetricFamily(P + "state_slots_usage_perc", doc, value=used / total)
         for key, doc in (
             ("prefix_cache_queries", "Blocks looked up in the prefix cache."),
             ("prefix_cache_hits", "Blocks found in the prefix cache."),

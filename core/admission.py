@@ -19,6 +19,7 @@ class Admission:
     vocab_size: int
     bytes_per_embed: int  # one image embedding in the encoder cache (DeepStack features included)
     whole_images: bool  # an image's runs must be prefilled in one step (Gemma 3)
+    refused_tokens: tuple[tuple[int, str], ...] = ()  # (id, why): placeholders the engine cannot serve
 
     def check(self, ids: list[int], spans: list[ImageSpan], params: SamplingParams) -> None:
         """Raise a ValueError naming the first limit the request breaks. The params are checked
@@ -50,9 +51,12 @@ class Admission:
         """Every id the language model embeds must be one (image positions are replaced, so their
         placeholder ids may lie outside the vocabulary)."""
         replaced = {span.offset + i for span in spans for i in range(span.length) if span.is_embed(i)}
+        refused = dict(self.refused_tokens)
         for pos, tok in enumerate(ids):
             if pos in replaced:
                 continue
+            if tok in refused:
+                raise ValueError(f"prompt token {pos} is {refused[tok]}")
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
                 last = self.vocab_size - 1
                 raise ValueError(f"prompt token {pos} is {tok!r}, not a token id of this model (0 .. {last})")

@@ -32,7 +32,7 @@ from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.models.platform import make_platform
 from mm_engine.parallel.executor import TensorParallel
-from mm_engine.parallel.ranks import kv_spec, rank_device, rank_threads
+from mm_engine.parallel.ranks import kv_spec, rank_device, rank_threads, state_spec
 from mm_engine.parallel.vision_dp import DataParallelEncoder
 from mm_engine.pools.cpu_memory import tune_malloc
 from mm_engine.pools.setup import build_pools
@@ -92,7 +92,8 @@ class EngineCore(OverlappedSteps):
         lm = self.model.language_model
         spec = kv_spec(config, text_cfg, lm, config.tensor_parallel_size)
         share = self.parallel.share_num_blocks if self.parallel is not None else None
-        self.kv, self.blocks = build_pools(config, spec, self.device, share)
+        sspec = state_spec(config, text_cfg, lm)
+        self.kv, self.blocks, self.states = build_pools(config, spec, self.device, share, sspec)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         # By default one step may encode at least one whole image, whatever the token budget.
         default_budget = max(config.max_num_batched_tokens, self.max_image_tokens)
@@ -107,12 +108,15 @@ class EngineCore(OverlappedSteps):
             vocab_size=emb.num_embeddings,
             bytes_per_embed=(1 + self.model.num_deepstack) * emb.embedding_dim * emb.weight.element_size(),
             whole_images=self.model.bidirectional_images,
+            refused_tokens=tuple(self.model.refused_tokens.items()),
         )
         policy = make_policy(
             config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
         )
         swap = config.preemption_mode == "swap"  # (under TP each worker repeats the swaps)
-        self.swap = HostSwap(self.kv, config.swap_space_bytes, mirror=self.parallel) if swap else None
+        self.swap = None
+        if swap:
+            self.swap = HostSwap(self.kv, config.swap_space_bytes, mirror=self.parallel, states=self.states)
         self.scheduler = Scheduler(
             self.blocks,
             policy,
@@ -125,6 +129,7 @@ class EngineCore(OverlappedSteps):
             whole_images=self.model.bidirectional_images,
             decode_first=config.decode_first,
             decode_step_prefill_tokens=config.prefill_cap(self.device.type),
+            states=self.states,
         )
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
@@ -133,6 +138,7 @@ class EngineCore(OverlappedSteps):
             peers=tp,
             encoder=DataParallelEncoder(self.model, tp) if shared_tower else None,
             threads=rank_threads(config) if tp is not None else None,
+            states=self.states,
         )  # fmt: skip
         # The engine's own random stream for unseeded requests: torch's global RNG is the caller's.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))

@@ -28,6 +28,7 @@ from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.models.interface import MultimodalModel
 from mm_engine.parallel.ranks import torch_threads
 from mm_engine.pools.kv_cache import KVCache
+from mm_engine.pools.state_pool import StatePool
 from mm_engine.request import ImageSpan, Request
 from mm_engine.sched.scheduler import ScheduledBatch
 from mm_engine.vision.encoder_cache import EncoderCache
@@ -57,11 +58,13 @@ class ModelRunner:
         peers: Peers | None = None,
         encoder: Callable[[list[ImageSpan]], list[torch.Tensor]] | None = None,
         threads: int | None = None,
+        states: StatePool | None = None,
     ) -> None:
         """`peers`: under tensor parallelism (rank 0), what hands each forward's inputs to the
         workers first. `encoder`: what encodes a step's images (default the model's own; under TP
         with mm_encoder_tp_mode "data", every rank a share). `threads`: torch threads of this
-        runner's work (tensor-parallel ranks on a CPU share its cores); None: the caller's."""
+        runner's work (tensor-parallel ranks on a CPU share its cores); None: the caller's.
+        `states`: a hybrid model's recurrent-state pool, whose tensors its linear layers update."""
         self.model = model
         self.encoder_cache = encoder_cache
         self.kv = kv
@@ -76,6 +79,7 @@ class ModelRunner:
         self.peers = peers
         self.encoder = encoder or model.encode
         self.threads = threads
+        self.states = states
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], list]:
         """Returns logits `[len(sampling) + prompt rows, vocab]`, the indices into `batch.items`
@@ -227,7 +231,10 @@ class ModelRunner:
             embeds[inputs.embed_rows] = inputs.embed_feats[:, 0].to(embeds.dtype)
             if inputs.embed_feats.shape[1] > 1:
                 deepstack = (inputs.embed_rows, inputs.embed_feats[:, 1:])
-        hidden = lm(embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack)
+        extra = {} if self.states is None else {"states": self.states}
+        hidden = lm(
+            embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack, **extra
+        )
         if inputs.logit_rows is None:
             return hidden.new_empty((0, 0)), inputs.sampling
         logits = lm.logits(hidden.index_select(0, inputs.logit_rows))
@@ -271,6 +278,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
+            state_slots_cpu=[req.state_slot for req, _ in items] if self.states is not None else None,
         )
 
     def _encode_images(self, images: list[tuple[Request, int]]) -> None:

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 def kv_report(core: EngineCore) -> dict[str, dict]:
     """Per pool: blocks (total, used, free, cached), slots (allocated, filled), internal waste,
-    prefix-cache queries/hits/misses, evictions, preemptions; plus swap and encoder-cache counts."""
+    prefix-cache queries/hits/misses, evictions, preemptions; plus swap and encoder-cache counts,
+    and (hybrid models) the recurrent-state slots."""
     sched, swap, cache = core.scheduler, core.swap, core.encoder_cache
     report = core.blocks.report([*sched.running, *sched.waiting])
     for name in (TEXT, IMAGE):
@@ -23,6 +24,8 @@ def kv_report(core: EngineCore) -> dict[str, dict]:
         "swapped_in_blocks": swap.swapped_in_blocks if swap else 0,
         "host_bytes_used": swap.used_bytes if swap else 0,
     }
+    if core.states is not None:  # a hybrid model's recurrent-state slots
+        report["state"] = core.states.report()
     report["encoder_cache"] = {
         "entries": len(cache),
         "bytes_used": cache.used_bytes,
@@ -47,4 +50,7 @@ def core_stats(core: EngineCore) -> dict:
         "prefix_cache_queries_total": {n: p.queries for n, p in pools.items()},
         "prefix_cache_hits_total": {n: p.hits for n, p in pools.items()},
         "encoder_cache_hits_total": core.encoder_cache.hits,
+        # Hybrid models' recurrent-state slots (counts, so that data-parallel cores add up).
+        "state_slots_used": core.states.num_used if core.states else 0,
+        "state_slots_total": core.states.num_slots if core.states else 0,
     }

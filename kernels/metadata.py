@@ -38,6 +38,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # int64 [num_tokens] each, positions: what each new token sees besides the causal prefix.
     bidirectional: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Hybrid models: each sequence's slot in the recurrent-state pool (pools/state_pool.py).
+    state_slots_cpu: list[int] | None = None
     # What a backend works out from the batch (which sequences are decodes, their index tensors),
     # worked out by the first layer and kept here for the others: it is the same for all of them.
     derived: dict[str, Any] = field(default_factory=dict)

@@ -33,6 +33,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: gpu_memory_utilization on CUDA, 2 GiB on CPU
     gpu_memory_utilization: float = 0.9
     image_pool_fraction: float = 0.5
+    # Hybrid (linear-attention) models: the recurrent-state pool takes at most this share of the KV
+    # memory; it holds a slot for each of min(max_num_seqs, what fits) running sequences.
+    max_state_memory_fraction: float = 0.5
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -141,6 +144,9 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "rank0"):
             got = self.mm_encoder_tp_mode
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'rank0' (no sharded tower), got {got!r}")
+        if not 0.0 < self.max_state_memory_fraction < 1.0:
+            got = self.max_state_memory_fraction
+            raise ValueError(f"max_state_memory_fraction must be in (0, 1), got {got}")
         if not 0.0 <= self.kv_watermark < 0.5:
             raise ValueError(f"kv_watermark must be in [0, 0.5), got {self.kv_watermark}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:

@@ -81,6 +81,7 @@ class Request:
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
     num_preemptions: int = 0
+    state_slot: int | None = None  # hybrid models: its slot in the recurrent-state pool, while running
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

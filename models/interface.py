@@ -73,6 +73,8 @@ class MultimodalModel(nn.Module):
     # An image's embedding tokens attend to each other in both directions during prefill (Gemma 3):
     # the runner passes their ranges to attention, the scheduler never splits an image.
     bidirectional_images: bool = False
+    # Prompt token ids the engine refuses, with why (a video placeholder, until video lands).
+    refused_tokens: Mapping[int, str] = {}
 
     @property
     def vision_dtype(self) -> torch.dtype:

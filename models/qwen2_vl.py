@@ -24,7 +24,7 @@ from PIL import Image
 
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
-from mm_engine.models.layers.decoder import mrope_streams
+from mm_engine.models.layers.decoder import DecoderLM, mrope_streams
 from mm_engine.models.mrope import mrope_positions
 from mm_engine.models.options import positive_option
 from mm_engine.models.platform import Platform
@@ -64,6 +64,10 @@ def vision_tower_class(model_type: str):
         )
 
         return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+        return Qwen3_5VisionModel
     if model_type == "qwen3_vl_moe":
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
@@ -143,6 +147,11 @@ class Qwen2VLModel(MultimodalModel):
         self.language_model = language_model
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size
+        video = getattr(config, "video_token_id", None)
+        if video is not None:
+            self.refused_tokens = {
+                video: f"the video placeholder (token {video}); video input is not supported yet"
+            }
 
     @property
     def vision_dtype(self) -> torch.dtype:
@@ -166,17 +175,30 @@ class Qwen2VLModel(MultimodalModel):
     def positions(self, token_ids: list[int], images: list[ImageSpan]) -> Positions | None:
         return mrope_positions(len(token_ids), images, self.merge)
 
+    # What a later family of the line changes in loading (Qwen3.5: a hybrid decoder, norms stored
+    # as offsets, checkpoint keys to skip).
+    lm_class: type[DecoderLM] = DecoderLM
+
+    @staticmethod
+    def route(key: str) -> tuple[str, str] | None:
+        return _route(key)
+
+    @staticmethod
+    def lm_weights(state: dict) -> dict:
+        return state
+
     @classmethod
     def from_checkpoint(
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
         platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> MultimodalModel:  # fmt: skip
-        parts = split_by_prefix(read_weights(path), _route, cls.family)
+        parts = split_by_prefix(read_weights(path), cls.route, cls.family)
         text = config.text_config
         streams = mrope_streams(text.rope_parameters["mrope_section"], cls.interleaved_mrope)
         lm = build_language_model(
-            parts.get("lm", {}), text, dtype, device, platform.ops, streams, cls.qk_norm, tp
-        )
+            cls.lm_weights(parts.get("lm", {})), text, dtype, device, platform.ops, streams, cls.qk_norm, tp,
+            cls.lm_class,
+        )  # fmt: skip
         tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
         tower = tower.to(device=device, dtype=vision_dtype)
         load_strict(tower, parts.get("vision", {}), "vision tower")

@@ -103,9 +103,11 @@ def build_language_model(
     mrope_streams: list[int] | None = None,
     qk_norm: bool = False,
     tp: TPGroup | None = None,
+    lm_class: type[DecoderLM] = DecoderLM,
 ) -> DecoderLM:
     """The engine's paged decoder with the checkpoint's weights; biases, Qwen3's q/k norms and a
-    tied head are read from the checkpoint itself. With `tp`, this rank's shard, read as such."""
+    tied head are read from the checkpoint itself. With `tp`, this rank's shard, read as such.
+    `lm_class`: the decoder's class (a hybrid model's `HybridLM`)."""
     bias = {p: f"layers.0.self_attn.{p}.bias" in lm_state for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     qk_norm = qk_norm or "layers.0.self_attn.q_norm.weight" in lm_state
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
@@ -115,7 +117,7 @@ def build_language_model(
     if tp is not None:
         check_divisible(text_config, tp.world)
     with torch.device(device):
-        lm = DecoderLM(text_config, bias, tie, ops, mrope_streams, qk_norm, tp, dtype)
+        lm = lm_class(text_config, bias, tie, ops, mrope_streams, qk_norm, tp, dtype)
     load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
     lm.fuse_projections()
     return lm

@@ -11,6 +11,7 @@ import torch
 
 from mm_engine.config import EngineConfig
 from mm_engine.pools.kv_cache import KVCacheSpec
+from mm_engine.pools.state_pool import StateSpec
 
 
 class WorkerStart(msgspec.Struct):
@@ -56,6 +57,26 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def kv_spec(config: EngineConfig, text_config, lm, world: int) -> KVCacheSpec:
-    """A rank's KV layout: its share of the KV heads, every layer, the engine's blocks."""
+    """A rank's KV layout: its share of the KV heads, every layer with a paged KV cache (a hybrid
+    model's linear-attention layers have none), the engine's blocks."""
     heads = text_config.num_key_value_heads // world
-    return KVCacheSpec(len(lm.layers), heads, lm.head_dim, config.block_size, config.torch_dtype())
+    return KVCacheSpec(lm.num_kv_layers, heads, lm.head_dim, config.block_size, config.torch_dtype())
+
+
+def state_spec(config: EngineConfig, text_config, lm) -> StateSpec | None:
+    """A hybrid model's recurrent state per sequence (every linear-attention layer); None for a
+    model without linear-attention layers."""
+    layers = getattr(lm, "num_linear_layers", 0)
+    if not layers:
+        return None
+    keys = text_config.linear_num_key_heads * text_config.linear_key_head_dim
+    values = text_config.linear_num_value_heads * text_config.linear_value_head_dim
+    return StateSpec(
+        num_layers=layers,
+        conv_channels=2 * keys + values,
+        conv_kernel=text_config.linear_conv_kernel_dim,
+        num_heads=text_config.linear_num_value_heads,
+        key_dim=text_config.linear_key_head_dim,
+        value_dim=text_config.linear_value_head_dim,
+        dtype=config.torch_dtype(),
+    )

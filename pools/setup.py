@@ -1,4 +1,5 @@
-"""The KV cache and the two block pools an engine core starts with, sized from its config."""
+"""The KV cache, the two block pools and (hybrid models) the state pool an engine core starts
+with, sized from its config."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
 from mm_engine.pools.cpu_memory import huge_page_empty
 from mm_engine.pools.kv_cache import KVCache, KVCacheSpec, kv_memory_bytes, split_blocks
+from mm_engine.pools.state_pool import StatePool, StateSpec
 
 
 def build_pools(
@@ -18,13 +20,27 @@ def build_pools(
     spec: KVCacheSpec,
     device: torch.device,
     on_count: Callable[[int], None] | None = None,
-) -> tuple[KVCache, BlockManager]:
+    state_spec: StateSpec | None = None,
+) -> tuple[KVCache, BlockManager, StatePool | None]:
     """As many blocks of `spec` as the KV memory holds, split between the text and image pools.
+    With `state_spec` (a hybrid model), the state pool's slots come out of the same memory first:
+    one per sequence up to `max_num_seqs`, within `max_state_memory_fraction` of it.
     `on_count(blocks)` hears the count before anything is allocated (tensor-parallel workers
     hold their heads of the same blocks)."""
     kv_bytes = kv_memory_bytes(
         config.kv_cache_memory_bytes, device, config.gpu_memory_utilization, CPU_DEFAULT_KV_BYTES
     )
+    states = None
+    if state_spec is not None:
+        per_slot = state_spec.bytes_per_slot
+        slots = min(config.max_num_seqs, int(kv_bytes * config.max_state_memory_fraction) // per_slot)
+        if slots < 1:
+            raise ValueError(
+                f"one sequence's recurrent state takes {per_slot} bytes, more than "
+                f"max_state_memory_fraction of the KV memory; raise kv_cache_memory_bytes"
+            )
+        states = StatePool(state_spec, slots, device)
+        kv_bytes -= slots * per_slot
     num_blocks = kv_bytes // spec.bytes_per_block
     if num_blocks < 2:
         raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
@@ -36,7 +52,8 @@ def build_pools(
         BlockPool(TEXT, 0, n_text),
         BlockPool(IMAGE, n_text, n_image),
         config.block_size,
-        config.enable_prefix_caching,
+        # Hybrid models: a cached prefix's KV is no use without the linear layers' state there.
+        config.enable_prefix_caching and state_spec is None,
         config.kv_watermark,
     )
-    return kv, blocks
+    return kv, blocks, states

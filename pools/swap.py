@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from mm_engine.pools.kv_cache import KVCache
+from mm_engine.pools.state_pool import StatePool
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class SwappedKV:
     num_computed_tokens: int
     has_image_blocks: bool
     nbytes: int
+    state: list[torch.Tensor] | None = None  # a hybrid model's state slot (StatePool.save)
 
 
 class SwapMirror(Protocol):
@@ -34,8 +36,16 @@ class SwapMirror(Protocol):
 
 
 class HostSwap:
-    def __init__(self, kv: KVCache, capacity_bytes: int, mirror: SwapMirror | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCache,
+        capacity_bytes: int,
+        mirror: SwapMirror | None = None,
+        states: StatePool | None = None,
+    ) -> None:
+        """`states`: a hybrid model's state pool; a request's slot travels with its KV."""
         self.kv = kv
+        self.states = states
         self.mirror = mirror
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
@@ -48,11 +58,14 @@ class HostSwap:
 
     def swap_out(
         self, request_id: str, blocks: list[int], num_computed: int, has_image_blocks: bool,
-        protect: str | None = None,
+        protect: str | None = None, state_slot: int | None = None,
     ) -> bool:  # fmt: skip
         """Copy the blocks to host; False when there is no room (the caller recomputes instead).
         Image KV may push out stored text KV, but never `protect`'s (a request being swapped in)."""
         nbytes = len(blocks) * self.kv.spec.bytes_per_block
+        with_state = self.states is not None and state_slot is not None
+        if with_state:
+            nbytes += self.states.spec.bytes_per_slot
         if nbytes == 0 or nbytes > self.capacity_bytes:
             return False
         if self.used_bytes + nbytes > self.capacity_bytes and has_image_blocks:
@@ -65,7 +78,8 @@ class HostSwap:
         idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
         k = [layer.index_select(0, idx).to("cpu") for layer in self.kv.k]
         v = [layer.index_select(0, idx).to("cpu") for layer in self.kv.v]
-        self._store[request_id] = SwappedKV(k, v, num_computed, has_image_blocks, nbytes)
+        state = self.states.save(state_slot) if with_state else None
+        self._store[request_id] = SwappedKV(k, v, num_computed, has_image_blocks, nbytes, state)
         self.used_bytes += nbytes
         self.swapped_out_blocks += len(blocks)
         if self.mirror is not None:
@@ -75,9 +89,12 @@ class HostSwap:
     def num_computed(self, request_id: str) -> int:
         return self._store[request_id].num_computed_tokens
 
-    def swap_in(self, request_id: str, table: list[int]) -> None:
-        """Copy a request's KV back into the leading blocks of its freshly allocated block table."""
+    def swap_in(self, request_id: str, table: list[int], state_slot: int | None = None) -> None:
+        """Copy a request's KV back into the leading blocks of its freshly allocated block table
+        (and its recurrent state into its new slot)."""
         s = self._store.pop(request_id)
+        if s.state is not None:
+            self.states.load(state_slot, s.state)
         self.used_bytes -= s.nbytes
         blocks = table[: s.k[0].shape[0]]
         idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)

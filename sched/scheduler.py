@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mm_engine.pools.block_manager import IMAGE, BlockManager
+from mm_engine.pools.state_pool import StatePool
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.policy import Policy, outranks
@@ -95,10 +96,14 @@ class Scheduler:
         whole_images: bool = False,
         decode_first: bool = True,
         decode_step_prefill_tokens: int | None = None,
+        states: StatePool | None = None,
     ) -> None:
+        """`states`: a hybrid model's recurrent-state pool; every running request holds a slot,
+        so at most `min(max_num_seqs, slots)` run at once."""
         self.blocks = blocks
+        self.states = states
         self.policy = policy
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = max_num_seqs if states is None else min(max_num_seqs, states.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.encoder_cache = encoder_cache
         self.encoder_budget = encoder_budget
@@ -291,8 +296,10 @@ class Scheduler:
             req.num_computed_tokens = 0
             return False
         self.blocks.allocate(req, n)
+        if self.states is not None:
+            self.states.allocate(req)
         if swapped:
-            self.swap.swap_in(req.request_id, req.block_table)
+            self.swap.swap_in(req.request_id, req.block_table, req.state_slot)
         if not swapped:
             self.blocks.count_lookup(req, cached // self.blocks.block_size)
         self.waiting.remove(req)
@@ -320,9 +327,12 @@ class Scheduler:
             self.preemptions_by_pool[pool] += 1
         if self.swap is not None and held:
             self.swap.swap_out(
-                req.request_id, held, req.num_computed_tokens, has_image, protect=p.admitting if p else None
-            )
+                req.request_id, held, req.num_computed_tokens, has_image, protect=p.admitting if p else None,
+                state_slot=req.state_slot,
+            )  # fmt: skip
         self.blocks.free(req)
+        if self.states is not None:
+            self.states.free(req)
         req.num_computed_tokens = 0
         self._straddling.pop(req.request_id, None)
         req.num_preemptions += 1
@@ -344,6 +354,8 @@ class Scheduler:
         if self.swap is not None:
             self.swap.drop(req.request_id)
         self.blocks.free(req)
+        if self.states is not None:
+            self.states.free(req)
         self.blocks.forget(req)
         self._straddling.pop(req.request_id, None)
         req.status = Status.FINISHED

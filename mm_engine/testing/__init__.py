@@ -23,6 +23,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_5_vl": ("qwen", "build_qwen_checkpoint", {"version": "qwen2_5_vl"}),
     "qwen3_vl": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_vl"}),
     "qwen3_vl_moe": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_vl_moe"}),
+    "qwen3_5": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_5"}),
     "idefics3": ("idefics", "build_idefics_checkpoint", {"version": "idefics3"}),
     "smolvlm": ("idefics", "build_idefics_checkpoint", {"version": "smolvlm"}),
     "internvl": ("internvl", "build_internvl_checkpoint", {"text": "qwen2"}),

@@ -1,6 +1,6 @@
-"""Small random Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints laid out as the published ones are
-(config, safetensors, tokenizer, processor with its image and video processors, chat template),
-for tests and benchmarks. Nothing is downloaded; random weights generate arbitrary tokens."""
+"""Small random Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 checkpoints laid out as the
+published ones are (config, safetensors, tokenizer, processor with its image and video processors,
+chat template), for tests and benchmarks. Nothing is downloaded; random weights generate arbitrary tokens."""
 
 from __future__ import annotations
 
@@ -38,7 +38,15 @@ QWEN_CHAT_TEMPLATE = (
     "</tool_call>{% endfor %}<|im_end|> {% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+# Qwen3.5's hybrid layers, tiny: linear attention (GQA-style 2 key heads for 4 value heads) around
+# one gated full-attention layer, the rotary over half of each head.
+HYBRID_TEXT = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+)  # fmt: skip
 # Qwen3-VL-MoE's experts, tiny: 4 of width 32, 2 per token, every layer sparse.
 MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
 
@@ -95,6 +103,10 @@ def build_qwen_checkpoint(
     else:
         if version == "qwen3_vl_moe":
             text.update({**MOE_TEXT, **(text_dims or {})})
+        if version == "qwen3_5":
+            text.update({**HYBRID_TEXT, **(text_dims or {})})
+            rope["partial_rotary_factor"] = 0.5
+            half //= 2
         rope.update(
             mrope_interleaved=True,
             mrope_section=[half - 2 * (5 * half // 16), 5 * half // 16, 5 * half // 16],
@@ -102,8 +114,10 @@ def build_qwen_checkpoint(
         text.update(head_dim=head_dim)
         vision.update(
             depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
-            num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+            num_position_embeddings=64,
         )  # fmt: skip
+        if version != "qwen3_5":
+            vision["deepstack_visual_indexes"] = [0, 1]
     vision.update(vision_dims or {})
     text["rope_parameters"] = rope
     cfg = AutoConfig.for_model(
@@ -126,7 +140,7 @@ def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max
 
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image = Qwen2VLImageProcessor(patch_size=patch_size, merge_size=merge, temporal_patch_size=2, size=size)
-    if version in ("qwen3_vl", "qwen3_vl_moe"):
+    if version in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
         from transformers import Qwen3VLProcessor as Processor
         from transformers import Qwen3VLVideoProcessor as Video
     else:

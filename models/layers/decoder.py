@@ -264,16 +264,25 @@ class DecoderLM(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, head_dim, bias, ops, qk_norm, tp, dtype, is_sparse(config, i))
+            self.make_layer(config, i, head_dim, bias, ops, qk_norm, tp, dtype)
             for i in range(config.num_hidden_layers)
         )
+        self.num_kv_layers = len(self.layers)  # layers with a paged KV cache
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
-        self.rotary = Rotary(config, head_dim, mrope_streams)
+        self.rotary = Rotary(config, self.rotary_dim(config, head_dim), mrope_streams)
         vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
         self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.tied_lm_head = tie_embeddings
         if tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, config, i: int, head_dim: int, bias, ops, qk_norm, tp, dtype) -> nn.Module:
+        return DecoderLayer(config, head_dim, bias, ops, qk_norm, tp, dtype, is_sparse(config, i))
+
+    @staticmethod
+    def rotary_dim(config, head_dim: int) -> int:
+        """How many of a head's dimensions the rotary turns (all of them here)."""
+        return head_dim
 
     def forward(
         self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend,

@@ -137,6 +137,7 @@ class GemmaLM(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, kind, ops, tp, dtype) for kind in self.layer_types
         )
+        self.num_kv_layers = len(self.layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.rotary = nn.ModuleDict(
             {kind: Rotary(config, config.head_dim, layer_type=kind) for kind in sorted(set(self.layer_types))}

@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: greedy tokens equal to transformers'
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5: greedy tokens equal to transformers'
 `generate` on tiny random checkpoints (every attention backend, images split across prefill chunks,
 preemption), M-RoPE positions and processing equal to transformers', prefix and encoder reuse, limits."""
 
@@ -10,7 +10,7 @@ import torch
 from helpers.families import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
 from helpers.images import make_image
 
-VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
 
 
 def prompt(question: str, n_images: int = 0) -> str:
@@ -94,7 +94,10 @@ def test_preemption_recomputes_with_the_same_positions(family):
     path, ref = family
     # 24 blocks of 8 tokens: the batch does not fit at once, so requests are preempted and their
     # prompts and outputs recomputed (decode positions continue from the stored offset).
-    llm = engine(path, "torch", kv_cache_memory_bytes=24 * 8192, image_pool_fraction=0.3)
+    memory = dict(kv_cache_memory_bytes=24 * 8192)
+    if "qwen3_5" in path:  # one KV layer (4,096 bytes a block): 24 blocks after 8 state slots of 58,368
+        memory = dict(kv_cache_memory_bytes=24 * 4096 + 8 * 58368, max_state_memory_fraction=0.83)
+    llm = engine(path, "torch", image_pool_fraction=0.3, **memory)
     batch = BATCH * 2
     outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch], [greedy(n + 6) for *_, n in batch])
     assert llm.engine.core.scheduler.num_preemptions > 0

@@ -1,0 +1,286 @@
+"""The hybrid language model of Qwen3.5: Gated DeltaNet (linear attention) layers interleaved with
+gated full-attention layers (`config.layer_types`), over the paged KV cache and the state pool.
+
+- A linear-attention layer (`GatedDeltaNet`) projects each token to q, k, v (through a causal
+  depthwise conv), an output gate z, a write strength beta and a decay g, and runs the gated delta
+  rule (kernels/gated_delta.py) from the sequence's slot in the state pool; it keeps no KV.
+- A full-attention layer (`GatedAttention`) is Qwen3's attention with two changes: q_proj also
+  yields a per-channel output gate (sigmoid), and the rotary turns only the first
+  `partial_rotary_factor` of each head.
+Qwen3.5's RMSNorms scale by `1 + weight`; the family adds the 1 to the stored weights on load, so
+the norms here are the engine's plain ones (the gated norm inside a linear layer is not shifted).
+
+Which rows of a step are decodes and which are prefill chunks is worked out once per step (the
+first linear layer, `_layout`) and kept in the metadata for the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mm_engine.kernels import gated_delta as gd
+from mm_engine.kernels.host_copy import to_device
+from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers.decoder import MLP, DecoderLM, RMSNorm, _concat_linears
+from mm_engine.models.layers.moe import SparseMoE, is_sparse
+
+LINEAR = "linear_attention"
+
+
+def is_hybrid(config) -> bool:
+    return LINEAR in (getattr(config, "layer_types", None) or [])
+
+
+@dataclass(slots=True)
+class _Layout:
+    """One step's sequences as the linear layers see them."""
+
+    decode_rows: torch.Tensor | None  # rows of the one-token sequences, batched together
+    decode_slots: torch.Tensor | None
+    decode_fresh: torch.Tensor | None  # float [decodes]: 0 where a sequence starts here
+    prefills: list[tuple[int, int, int, bool]]  # (first row, tokens, slot, continues a state)
+
+
+def _layout(meta: AttentionMetadata) -> _Layout:
+    cached = meta.derived.get("hybrid")
+    if cached is not None:
+        return cached
+    slots = meta.state_slots_cpu
+    if slots is None:
+        raise ValueError("a hybrid model's forward needs each sequence's state slot")
+    rows, dslots, fresh, prefills, row = [], [], [], [], 0
+    for n, seq_len, slot in zip(meta.query_lens_cpu, meta.seq_lens_cpu, slots, strict=True):
+        if n == 1:
+            rows.append(row)
+            dslots.append(slot)
+            fresh.append(0.0 if seq_len == 1 else 1.0)
+        else:
+            prefills.append((row, n, slot, seq_len > n))
+        row += n
+    dev = meta.slot_mapping.device
+    out = _Layout(None, None, None, prefills)
+    if rows:
+        out.decode_rows = to_device(rows, torch.long, dev)
+        out.decode_slots = to_device(dslots, torch.long, dev)
+        out.decode_fresh = None if all(fresh) else to_device(fresh, torch.float32, dev)
+    meta.derived["hybrid"] = out
+    return out
+
+
+class GatedNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gd.gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.key_heads, self.heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.heads % self.key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        keys, values = self.key_heads * self.key_dim, self.heads * self.value_dim
+        self.widths = [keys, keys, values]  # q, k, v in the conv's channels
+        channels = 2 * keys + values
+        self.in_proj_qkv = nn.Linear(h, channels, bias=False, dtype=dtype)
+        self.in_proj_z = nn.Linear(h, values, bias=False, dtype=dtype)
+        self.in_proj_b = nn.Linear(h, self.heads, bias=False, dtype=dtype)
+        self.in_proj_a = nn.Linear(h, self.heads, bias=False, dtype=dtype)
+        self.in_proj: nn.Linear | None = None
+        k = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(
+            channels, channels, k, groups=channels, bias=False, padding=k - 1, dtype=dtype
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.heads, dtype=dtype))
+        self.A_log = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
+        self.norm = GatedNorm(self.value_dim, config.rms_norm_eps, dtype)
+        self.out_proj = nn.Linear(values, h, bias=False, dtype=dtype)
+
+    def fuse(self) -> None:
+        """The four input projections as one matmul."""
+        self.in_proj = _concat_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _project(self, x: torch.Tensor):
+        if self.in_proj is not None:
+            mixed, z, b, a = self.in_proj(x).split(
+                [sum(self.widths), self.heads * self.value_dim, *[self.heads] * 2], -1
+            )
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return mixed, z, beta, g
+
+    def _qkv(self, y: torch.Tensor):
+        n = y.shape[0]
+        q, k, v = y.split(self.widths, -1)
+        return (
+            q.reshape(n, self.key_heads, self.key_dim),
+            k.reshape(n, self.key_heads, self.key_dim),
+            v.reshape(n, self.heads, self.value_dim),
+        )
+
+    def forward(self, x: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, meta: AttentionMetadata):
+        """`conv` `[slots, channels, kernel - 1]` and `recurrent` `[slots, heads, key_dim,
+        value_dim]`: this layer's state pool tensors, updated in place for every sequence."""
+        lay = _layout(meta)
+        mixed, z, beta, g = self._project(x)
+        weight = self.conv1d.weight[:, 0]
+        out = x.new_empty(x.shape[0], self.heads, self.value_dim, dtype=torch.float32)
+        if lay.decode_rows is not None:
+            rows, slots = lay.decode_rows, lay.decode_slots
+            conv_state, state = conv[slots], recurrent[slots]
+            if lay.decode_fresh is not None:  # a one-token prompt: nothing before it
+                keep = lay.decode_fresh
+                conv_state, state = (
+                    conv_state * keep.view(-1, 1, 1).to(conv.dtype),
+                    state * keep.view(-1, 1, 1, 1),
+                )
+            y, conv_state = gd.causal_conv_step(mixed[rows], weight, conv_state)
+            o, state = gd.delta_rule_step(*self._qkv(y), g[rows], beta[rows], state)
+            conv.index_copy_(0, slots, conv_state.to(conv.dtype))
+            recurrent.index_copy_(0, slots, state)
+            out[rows] = o
+        for row, n, slot, continues in lay.prefills:
+            part = slice(row, row + n)
+            y, conv[slot] = gd.causal_conv(mixed[part], weight, conv[slot] if continues else None)
+            o, recurrent[slot] = gd.delta_rule_chunked(
+                *self._qkv(y), g[part], beta[part], recurrent[slot] if continues else None
+            )
+            out[part] = o
+        t = x.shape[0]
+        normed = self.norm(
+            out.to(x.dtype).view(t * self.heads, self.value_dim), z.reshape(t * self.heads, -1)
+        )
+        return self.out_proj(normed.view(t, -1))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate and a partial rotary (see the module's docstring)."""
+
+    def __init__(
+        self, config, head_dim: int, ops: TorchOps = TORCH_OPS, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        h, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+        )
+        self.q_proj = nn.Linear(h, self.num_heads * head_dim * 2, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype)
+        self.qkv_proj: nn.Linear | None = None
+        self.scale = head_dim**-0.5
+        self.ops = ops
+
+    def fuse(self) -> None:
+        self.qkv_proj = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        turned = 2 * cos.shape[-1]
+        if turned == self.head_dim:
+            return self.ops.rotary(x, cos, sin)
+        return torch.cat([self.ops.rotary(x[..., :turned].contiguous(), cos, sin), x[..., turned:]], -1)
+
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend):
+        t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qg, k, v = self.qkv_proj(x).split([2 * h * hd, kvh * hd, kvh * hd], -1)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg = qg.view(t, h, 2 * hd)
+        gate = qg[..., hd:].reshape(t, h * hd)
+        q = self.q_norm(qg[..., :hd].reshape(t * h, hd)).view(t, h, hd)
+        k = self.k_norm(k.reshape(t * kvh, hd)).view(t, kvh, hd)
+        q, k = self._rotate(q, *rope), self._rotate(k, *rope)
+        backend.write_kv(k, v.reshape(t, kvh, hd), k_cache, v_cache, meta.slot_mapping)
+        out = backend.attend(q, k_cache, v_cache, meta, self.scale).reshape(t, h * hd)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, config, i: int, head_dim: int, ops: TorchOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = config.layer_types[i] == LINEAR
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, dtype)
+        else:
+            self.self_attn = GatedAttention(config, head_dim, ops, dtype)
+        self.mlp = (
+            SparseMoE(config, ops, None, dtype)
+            if is_sparse(config, i)
+            else MLP(config, False, ops, None, dtype)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+
+    def forward(self, x, residual, rope, caches: tuple[torch.Tensor, torch.Tensor], meta, backend):
+        """As `DecoderLayer.forward`; `caches` is this layer's (K, V) or (conv, recurrent) state."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        if self.linear:
+            mixed = self.linear_attn(h, *caches, meta)
+        else:
+            mixed = self.self_attn(h, rope, *caches, meta, backend)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, mixed)
+        return self.mlp(h), residual
+
+
+class HybridLM(DecoderLM):
+    """`DecoderLM` with hybrid layers: full-attention layer j reads `kv_k[j]`, linear layer j the
+    state pool's tensors `states.conv[j]`, `states.recurrent[j]`."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.cache_index: list[int] = []
+        counts = {True: 0, False: 0}
+        for layer in self.layers:
+            self.cache_index.append(counts[layer.linear])
+            counts[layer.linear] += 1
+        self.num_kv_layers, self.num_linear_layers = counts[False], counts[True]
+
+    def make_layer(self, config, i, head_dim, bias, ops, qk_norm, tp, dtype) -> nn.Module:
+        if tp is not None:
+            raise ValueError("tensor parallelism is not supported for hybrid (linear-attention) models yet")
+        return HybridLayer(config, i, head_dim, ops, dtype)
+
+    @staticmethod
+    def rotary_dim(config, head_dim: int) -> int:
+        params = getattr(config, "rope_parameters", None) or {}
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        return int(head_dim * factor)
+
+    def forward(self, embeds, positions, kv_k, kv_v, meta, backend, deepstack=None, states=None):
+        if deepstack is not None:
+            raise ValueError("DeepStack features are not supported by the hybrid model")
+        x, residual = embeds, None
+        rope = self.rotary(positions, x.dtype)
+        for layer, j in zip(self.layers, self.cache_index, strict=True):
+            caches = (states.conv[j], states.recurrent[j]) if layer.linear else (kv_k[j], kv_v[j])
+            x, residual = layer(x, residual, rope, caches, meta, backend)
+        return self.norm.add_and_norm(residual, x)[1]
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            (layer.linear_attn if layer.linear else layer.self_attn).fuse()
+            layer.mlp.fuse()

@@ -1,0 +1,81 @@
+"""The gated delta rule and its causal conv (kernels/gated_delta.py) against transformers' Qwen3.5
+reference functions: whole prompts, prompts split anywhere (each chunk continuing from the state
+the last one left), and token-by-token decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+from mm_engine.kernels import gated_delta as gd
+
+
+def inputs(n: int, seed: int = 0, key_heads: int = 2, heads: int = 4, dim: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(n, key_heads, dim, generator=g) for _ in range(2))
+    v = torch.randn(n, heads, dim, generator=g)
+    decay = -torch.rand(n, heads, generator=g) * 2
+    beta = torch.rand(n, heads, generator=g)
+    return q, k, v, decay, beta
+
+
+def reference(q, k, v, decay, beta):
+    out, state = torch_chunk_gated_delta_rule(
+        q[None],
+        k[None],
+        v[None],
+        decay[None],
+        beta[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], state[0]
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 150])
+def test_a_whole_prompt_equals_transformers(n):
+    want_out, want_state = reference(*inputs(n))
+    out, state = gd.delta_rule_chunked(*inputs(n), None)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cuts", [[1], [5, 60], [64, 70], [3, 4, 100, 149]])
+def test_chunks_continue_from_the_state_the_last_one_left(cuts):
+    n = 150
+    q, k, v, decay, beta = inputs(n, seed=1)
+    want_out, want_state = reference(q, k, v, decay, beta)
+    outs, state = [], None
+    for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+        o, state = gd.delta_rule_chunked(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs), want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=1e-5)
+
+
+def test_decode_steps_of_a_batch_equal_the_chunked_form():
+    n, batch = 40, 3
+    per_seq = [inputs(n, seed=10 + i) for i in range(batch)]
+    states = torch.stack([gd.delta_rule_chunked(*(x[:20] for x in s), None)[1] for s in per_seq])
+    for t in range(20, n):
+        step = [torch.stack([s[j][t] for s in per_seq]) for j in range(5)]
+        out, states = gd.delta_rule_step(*step, states)
+        for i, s in enumerate(per_seq):
+            want = gd.delta_rule_chunked(*(x[: t + 1] for x in s), None)[0][t]
+            torch.testing.assert_close(out[i], want, rtol=0, atol=1e-5)
+
+
+def test_the_causal_conv_split_anywhere_equals_one_pass():
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(30, 12, generator=g), torch.randn(12, 4, generator=g)
+    full = F.silu(F.conv1d(x.t()[None], weight[:, None], padding=3, groups=12)[0, :, :30]).t()
+    out1, state = gd.causal_conv(x[:2], weight, None)  # shorter than the kernel's history
+    out2, state = gd.causal_conv(x[2:20], weight, state)
+    outs = [out1, out2]
+    for t in range(20, 30):
+        o, s = gd.causal_conv_step(x[t][None], weight, state[None])
+        outs.append(o)
+        state = s[0]
+    torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-5)
