@@ -64,6 +64,10 @@ def vision_tower_class(model_type: str):
         )
 
         return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+        return Qwen3_5MoeVisionModel
     if model_type == "qwen3_5":
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 

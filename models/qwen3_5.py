@@ -1,4 +1,5 @@
-"""Qwen3.5 and Qwen3.6 (`Qwen3_5ForConditionalGeneration`; MiniCPM-V 4.6's language model too):
+"""Qwen3.5 and Qwen3.6, dense (`Qwen3_5ForConditionalGeneration`; MiniCPM-V 4.6's language model
+too) and MoE (`Qwen3_5MoeForConditionalGeneration`):
 natively multimodal, with a hybrid language model (models/layers/hybrid.py: Gated DeltaNet
 layers interleaved with gated full attention) whose linear layers keep their state in the state
 pool instead of KV blocks.
@@ -15,7 +16,7 @@ from mm_engine.models.layers.hybrid import HybridLM, is_hybrid
 from mm_engine.models.qwen2_vl import Qwen2VLModel, QwenProcessing, _route
 from mm_engine.models.weights import materialize
 
-__all__ = ["Qwen3_5Model", "QwenProcessing", "check_config"]
+__all__ = ["Qwen3_5Model", "Qwen3_5MoeModel", "QwenProcessing", "check_config"]
 
 # Norms stored as offsets from 1 (the gated norm inside a linear layer is not one of them).
 _SHIFTED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
@@ -50,3 +51,10 @@ class Qwen3_5Model(Qwen2VLModel):
                 tensor = materialize({key: state[key]})[key]
                 out[key] = (1.0 + tensor.float()).to(tensor.dtype)
         return out
+
+
+class Qwen3_5MoeModel(Qwen3_5Model):
+    """Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, Qwen3.5-35B-A3B to 397B-A17B): the same
+    model with a mixture of experts plus a gated shared expert in every layer (models/layers/moe.py)."""
+
+    family = "Qwen3.5-MoE"

@@ -24,6 +24,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_vl": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_vl"}),
     "qwen3_vl_moe": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_vl_moe"}),
     "qwen3_5": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_5"}),
+    "qwen3_5_moe": ("qwen", "build_qwen_checkpoint", {"version": "qwen3_5_moe"}),
     "idefics3": ("idefics", "build_idefics_checkpoint", {"version": "idefics3"}),
     "smolvlm": ("idefics", "build_idefics_checkpoint", {"version": "smolvlm"}),
     "internvl": ("internvl", "build_internvl_checkpoint", {"text": "qwen2"}),

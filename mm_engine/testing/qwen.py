@@ -1,6 +1,7 @@
-"""Small random Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 checkpoints laid out as the
-published ones are (config, safetensors, tokenizer, processor with its image and video processors,
-chat template), for tests and benchmarks. Nothing is downloaded; random weights generate arbitrary tokens."""
+"""Small random Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE checkpoints
+laid out as the published ones are (config, safetensors, tokenizer, processor with its image and
+video processors, chat template), for tests and benchmarks. Nothing is downloaded; random weights
+generate arbitrary tokens."""
 
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ QWEN_CHAT_TEMPLATE = (
     "</tool_call>{% endfor %}<|im_end|> {% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
-VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5-MoE's experts: as Qwen3-VL-MoE's, plus a shared expert of width 48 (every layer sparse).
+MOE_35_TEXT = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+)
 # Qwen3.5's hybrid layers, tiny: linear attention (GQA-style 2 key heads for 4 value heads) around
 # one gated full-attention layer, the rotary over half of each head.
 HYBRID_TEXT = dict(
@@ -103,8 +108,9 @@ def build_qwen_checkpoint(
     else:
         if version == "qwen3_vl_moe":
             text.update({**MOE_TEXT, **(text_dims or {})})
-        if version == "qwen3_5":
-            text.update({**HYBRID_TEXT, **(text_dims or {})})
+        if version in ("qwen3_5", "qwen3_5_moe"):
+            moe = MOE_35_TEXT if version == "qwen3_5_moe" else {}
+            text.update({**HYBRID_TEXT, **moe, **(text_dims or {})})
             rope["partial_rotary_factor"] = 0.5
             half //= 2
         rope.update(
@@ -116,7 +122,7 @@ def build_qwen_checkpoint(
             depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
             num_position_embeddings=64,
         )  # fmt: skip
-        if version != "qwen3_5":
+        if not version.startswith("qwen3_5"):
             vision["deepstack_visual_indexes"] = [0, 1]
     vision.update(vision_dims or {})
     text["rope_parameters"] = rope
@@ -140,7 +146,7 @@ def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max
 
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image = Qwen2VLImageProcessor(patch_size=patch_size, merge_size=merge, temporal_patch_size=2, size=size)
-    if version in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
+    if version in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         from transformers import Qwen3VLProcessor as Processor
         from transformers import Qwen3VLVideoProcessor as Video
     else:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers.mlp import MLP, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
 
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
         fewer, larger GEMMs, and the input is read once."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
-        self.qkv_proj = _concat_linears(parts)
+        self.qkv_proj = concat_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
@@ -154,61 +154,6 @@ class Attention(nn.Module):
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         return out if self.tp is None else self.tp.all_reduce(out)
-
-
-class MLP(nn.Module):
-    """With `tp`, gate and up split by columns, down by rows (the ranks' outputs are summed)."""
-
-    def __init__(
-        self,
-        config,
-        bias: bool,
-        ops: TorchOps = TORCH_OPS,
-        tp: TPGroup | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__()
-        width = config.intermediate_size // (tp.world if tp is not None else 1)
-        self.tp = tp
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias, dtype=dtype)
-        self.act = ACT2FN[config.hidden_act]
-        self.silu = config.hidden_act == "silu"  # then silu(gate) * up is one op of `ops`
-        self.gate_up_proj: nn.Linear | None = None
-        self.ops = ops
-
-    def fuse(self) -> None:
-        self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            if self.silu:
-                out = self.down_proj(self.ops.silu_and_mul(gate_up))
-                return out if self.tp is None else self.tp.all_reduce(out)
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(self.act(gate) * up)
-        return out if self.tp is None else self.tp.all_reduce(out)
-
-
-def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side (a missing bias is zero)."""
-    w = parts[0].weight
-    fused = nn.Linear(
-        w.shape[1], sum(p.out_features for p in parts), bias=any(p.bias is not None for p in parts),
-        device=w.device, dtype=w.dtype,
-    ).requires_grad_(False)  # fmt: skip
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if fused.bias is not None:
-            fused.bias.copy_(
-                torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features) for p in parts])
-            )
-    return fused
 
 
 class DecoderLayer(nn.Module):

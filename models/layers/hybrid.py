@@ -26,7 +26,8 @@ from mm_engine.kernels import gated_delta as gd
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
-from mm_engine.models.layers.decoder import MLP, DecoderLM, RMSNorm, _concat_linears
+from mm_engine.models.layers.decoder import DecoderLM, RMSNorm
+from mm_engine.models.layers.mlp import MLP, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 
 LINEAR = "linear_attention"
@@ -109,7 +110,7 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> None:
         """The four input projections as one matmul."""
-        self.in_proj = _concat_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.in_proj = concat_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def _project(self, x: torch.Tensor):
@@ -191,7 +192,7 @@ class GatedAttention(nn.Module):
         self.ops = ops
 
     def fuse(self) -> None:
-        self.qkv_proj = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,19 @@
-"""Mixture-of-experts feed-forward (Qwen3-VL-MoE's, Qwen3-MoE's): a router scores every expert
+"""Mixture-of-experts feed-forward (Qwen3-VL-MoE's, Qwen3.5-MoE's): a router scores every expert
 for each token, the top `num_experts_per_tok` are kept (softmax, renormalised over them with
-`norm_topk_prob`), and the token's output is their weighted sum.
+`norm_topk_prob`), and the token's output is their weighted sum (Qwen3.5-MoE adds a shared expert
+that every token goes through, scaled by a sigmoid gate).
 
 Grouped: the (token, expert) pairs are sorted by expert, and each expert that any token chose runs
 once, as one matmul pair over all of its tokens; an expert no token chose costs nothing. The loop
 is over experts with work, never over tokens.
 
-Weights are kept as the published checkpoints store them (transformers' own layout is transposed
-on load, `checkpoint_layout`), `experts.gate_up_proj` `[experts, hidden,
-2 x intermediate]` (gate, then up) and `experts.down_proj` `[experts, intermediate, hidden]`, so
-`x @ w` needs no transpose. The router is a plain parameter, never a packed linear: routing is a
-discrete choice, and it must see the very logits transformers computes. With `tp`, each expert's
-intermediate dimension is split (gate and up by columns, down by rows) and the ranks' outputs summed.
+Weights are kept as Qwen3-VL-MoE's published checkpoints store them (transformers' own layout is
+transposed on load, and per-expert tensors stacked, `checkpoint_layout`): `experts.gate_up_proj`
+`[experts, hidden, 2 x intermediate]` (gate, then up) and `experts.down_proj` `[experts,
+intermediate, hidden]`, so `x @ w` needs no transpose. The router is a plain parameter, never a
+packed linear: routing is a discrete choice, and it must see the very logits transformers
+computes. With `tp`, each expert's intermediate dimension is split (gate and up by columns, down
+by rows) and the ranks' outputs summed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers.mlp import MLP
 from mm_engine.parallel.group import TPGroup
 
 
@@ -33,12 +36,41 @@ def is_sparse(config, layer: int) -> bool:
     return experts > 0 and layer not in dense and (layer + 1) % step == 0
 
 
+def _stack_experts(state: dict) -> dict:
+    """Per-expert tensors (`experts.N.gate_proj.weight` `[width, hidden]`, `up_proj`, `down_proj`
+    `[hidden, width]`: Qwen3.5-MoE's published layout) stacked into this layer's two tensors."""
+    out, groups = {}, {}
+    for key, ref in state.items():
+        head, sep, tail = key.partition(".experts.")
+        num, _, name = tail.partition(".")
+        if sep and num.isdigit() and name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            groups.setdefault(head, {})[(int(num), name)] = ref
+        else:
+            out[key] = ref
+    for head, parts in groups.items():
+        n = 1 + max(i for i, _ in parts)
+        gate, up, down = (
+            [_load(parts[(i, f"{p}.weight")]) for i in range(n)]
+            for p in ("gate_proj", "up_proj", "down_proj")
+        )
+        out[f"{head}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([g.t(), u.t()], dim=-1) for g, u in zip(gate, up, strict=True)]
+        )
+        out[f"{head}.experts.down_proj"] = torch.stack([d.t() for d in down]).contiguous()
+    return out
+
+
+def _load(ref) -> torch.Tensor:
+    return ref.load() if hasattr(ref, "load") else ref
+
+
 def checkpoint_layout(state: dict, config) -> dict:
     """`state` with every expert tensor in the layout this layer keeps. Published checkpoints
     store `[experts, hidden, 2 x width]` and `[experts, width, hidden]`; transformers 5 keeps (and
     saves) them transposed. The shape tells which, unless hidden equals the other side, where the
     published layout is assumed."""
     hidden, width = config.hidden_size, config.moe_intermediate_size
+    state = _stack_experts(state)
     out = dict(state)
     for key, ref in state.items():
         if key.endswith("experts.gate_up_proj"):
@@ -49,8 +81,7 @@ def checkpoint_layout(state: dict, config) -> dict:
             continue
         shape = tuple(ref.shape[-2:])
         if shape != want and shape == want[::-1]:
-            tensor = ref.load() if hasattr(ref, "load") else ref
-            out[key] = tensor.transpose(-1, -2).contiguous()
+            out[key] = _load(ref).transpose(-1, -2).contiguous()
     return out
 
 
@@ -68,9 +99,17 @@ class SparseMoE(nn.Module):
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"
         self.ops, self.tp = ops, tp
+        # Qwen3.5-MoE: one expert every token goes through, its output scaled by a sigmoid gate.
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        self.shared_expert = (
+            MLP(config, False, ops, tp, dtype, width=shared, reduce=False) if shared else None
+        )
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if shared else None
 
     def fuse(self) -> None:
-        """Nothing to fuse: gate and up are one tensor already (DecoderLM calls it on every MLP)."""
+        """The routed experts' gate and up are one tensor already; the shared expert's become one."""
+        if self.shared_expert is not None:
+            self.shared_expert.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate.route(x, self.top_k, self.renormalise)
@@ -87,6 +126,8 @@ class SparseMoE(nn.Module):
                 start += n
         out = torch.zeros_like(x)
         out.index_add_(0, token, out_rows * weights.reshape(-1)[order, None])
+        if self.shared_expert is not None:  # (under tp a partial sum too: one reduce for both)
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5: greedy tokens equal to transformers'
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE: greedy tokens equal to transformers'
 `generate` on tiny random checkpoints (every attention backend, images split across prefill chunks,
 preemption), M-RoPE positions and processing equal to transformers', prefix and encoder reuse, limits."""
 
@@ -10,7 +10,7 @@ import torch
 from helpers.families import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
 from helpers.images import make_image
 
-VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
+VERSIONS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
 
 
 def prompt(question: str, n_images: int = 0) -> str:

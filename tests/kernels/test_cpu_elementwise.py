@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mm_engine.kernels import cpu_elementwise
 from mm_engine.kernels.ops import TORCH_OPS, CpuOps
-from mm_engine.models.layers.decoder import MLP
+from mm_engine.models.layers.mlp import MLP
 from mm_engine.models.platform import OpsGeluTanh
 
 INF, NAN = float("inf"), float("nan")

@@ -72,3 +72,32 @@ def test_both_expert_layouts_load_as_the_published_one():
     for state in (published, transposed):  # hub checkpoints, and what transformers 5 saves
         loaded = checkpoint_layout(state, narrow)
         assert all(torch.equal(loaded[k], published[k]) for k in published)
+
+
+def test_the_shared_expert_and_per_expert_checkpoints_equal_transformers_qwen3_5_moe_block():
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from mm_engine.models.layers.moe import checkpoint_layout
+
+    cfg = Qwen3_5MoeTextConfig(hidden_size=16, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=8,
+                               shared_expert_intermediate_size=12)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    ref = Qwen3_5MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    # As published: one tensor per expert and projection.
+    e = cfg.num_experts
+    gate, up = ref.experts.gate_up_proj.detach().chunk(2, dim=1)  # transformers' [experts, 2 x width, hidden]
+    down = ref.experts.down_proj.detach()
+    projections = (("gate_proj", gate), ("up_proj", up), ("down_proj", down))
+    state = {f"mlp.experts.{i}.{name}.weight": t[i] for i in range(e) for name, t in projections}
+    state.update({f"mlp.{k}": v for k, v in ref.state_dict().items() if not k.startswith("experts.")})
+    state = {k.removeprefix("mlp."): v for k, v in checkpoint_layout(state, cfg).items()}
+    moe = SparseMoE(cfg)
+    moe.load_state_dict(state)
+    moe.fuse()
+    x = torch.randn(11, 16, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), ref(x[None])[0], rtol=1e-5, atol=1e-5)
