@@ -110,7 +110,7 @@ class ModelRunner:
             if end == req.num_tokens:
                 rows.sample_rows.append(len(rows.ids) - 1)
                 rows.sampling.append(k)
-        inputs = self._tensors(rows, items, copies)
+        inputs = self._tensors(rows, items, copies, batch)
         for rid, j in batch.passed_images:  # what this step needs is in `inputs.embed_feats` now
             held = self._held.get(rid)
             if held is not None:
@@ -163,11 +163,12 @@ class ModelRunner:
                         rows.bidirectional.append((rows.embed_rows[-1][inside], lo, hi))
 
     def _tensors(
-        self, rows: StepRows, items: list[tuple[Request, int]], copies: list[tuple[int, int]]
-    ) -> StepInputs:
+        self, rows: StepRows, items: list[tuple[Request, int]], copies: list[tuple[int, int]],
+        batch: ScheduledBatch,
+    ) -> StepInputs:  # fmt: skip
         """The host's rows as the forward's tensors on the device (copies that do not wait)."""
         dev = self.device
-        meta = self._metadata(items, rows.slots)
+        meta = self._metadata(items, rows.slots, batch.state_snapshots)
         if rows.bidirectional:
             meta.bidirectional = self._ranges(len(rows.ids), rows.bidirectional)
         ids = to_device(rows.ids, torch.long, dev)
@@ -193,10 +194,14 @@ class ModelRunner:
         if copies:
             src, dst = zip(*copies, strict=True)
             block_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
+        state_copies = None
+        if batch.state_copies:
+            src, dst = zip(*batch.state_copies, strict=True)
+            state_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
         return StepInputs(
             ids, positions, meta, embed_rows, embed_feats, rows.sample_rows, rows.sampling, from_prev,
             rows.extra_rows, rows.prompt_rows, to_device(wanted, torch.long, dev) if wanted else None,
-            block_copies,
+            block_copies, state_copies,
         )  # fmt: skip
 
     def forward(
@@ -218,6 +223,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         if inputs.block_copies is not None:  # before this step writes any KV
             self.kv.copy_blocks(*inputs.block_copies)
+        if inputs.state_copies is not None:  # snapshots into the slots of requests that reuse a prefix
+            self.states.copy_rows(*inputs.state_copies)
         lm = self.model.language_model
         ids = inputs.ids
         if inputs.from_prev is not None:
@@ -263,7 +270,9 @@ class ModelRunner:
             return tail.expand(3, -1)
         return torch.cat([stored[:, start:cut], tail.expand(3, -1)], dim=1)
 
-    def _metadata(self, items: list[tuple[Request, int]], slots: list[int]) -> AttentionMetadata:
+    def _metadata(
+        self, items: list[tuple[Request, int]], slots: list[int], snapshots: dict[str, list[tuple[int, int]]]
+    ) -> AttentionMetadata:
         q_lens = [n for _, n in items]
         seq_lens = [req.num_computed_tokens + n for req, n in items]
         width = max(len(req.block_table) for req, _ in items)
@@ -279,6 +288,9 @@ class ModelRunner:
             query_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
             state_slots_cpu=[req.state_slot for req, _ in items] if self.states is not None else None,
+            state_snapshots_cpu=[snapshots.get(req.request_id, []) for req, _ in items]
+            if snapshots
+            else None,
         )
 
     def _encode_images(self, images: list[tuple[Request, int]]) -> None:

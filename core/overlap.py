@@ -144,8 +144,7 @@ class OverlappedSteps:
                 continue
             req.num_computed_tokens += n
             before = req.num_registered_blocks
-            self.blocks.commit(req)
-            if req.num_registered_blocks > before:  # to forget if the forward turns out to have failed
+            if self.blocks.commit(req):  # to forget if the forward turns out to have failed
                 step.registered.append((req, before))
         for k in step.sampling:
             req = step.items[k][0]

@@ -24,8 +24,9 @@ def kv_report(core: EngineCore) -> dict[str, dict]:
         "swapped_in_blocks": swap.swapped_in_blocks if swap else 0,
         "host_bytes_used": swap.used_bytes if swap else 0,
     }
-    if core.states is not None:  # a hybrid model's recurrent-state slots
-        report["state"] = core.states.report()
+    if core.states is not None:  # a hybrid model's recurrent-state slots (and prefix snapshots)
+        snapshots = getattr(core.blocks, "snapshots", None)
+        report["state"] = {**core.states.report(), **(snapshots.report() if snapshots else {})}
     report["encoder_cache"] = {
         "entries": len(cache),
         "bytes_used": cache.used_bytes,

@@ -31,6 +31,7 @@ class StepInputs:
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     logit_rows: torch.Tensor | None = None  # sample_rows + extra_rows on the device (no host sync)
     block_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # (sources, destinations), first
+    state_copies: tuple[torch.Tensor, torch.Tensor] | None = None  # state rows (snapshot -> slot), first
 
 
 @dataclass(slots=True)

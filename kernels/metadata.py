@@ -40,6 +40,9 @@ class AttentionMetadata:
     bidirectional: tuple[torch.Tensor, torch.Tensor] | None = None
     # Hybrid models: each sequence's slot in the recurrent-state pool (pools/state_pool.py).
     state_slots_cpu: list[int] | None = None
+    # ... and per sequence, the points of its chunk whose state also goes to a snapshot row:
+    # (tokens into the chunk, row). None: no snapshot this step.
+    state_snapshots_cpu: list[list[tuple[int, int]]] | None = None
     # What a backend works out from the batch (which sequences are decodes, their index tensors),
     # worked out by the first layer and kept here for the others: it is the same for all of them.
     derived: dict[str, Any] = field(default_factory=dict)

@@ -36,6 +36,9 @@ class EngineConfig:
     # Hybrid (linear-attention) models: the recurrent-state pool takes at most this share of the KV
     # memory; it holds a slot for each of min(max_num_seqs, what fits) running sequences.
     max_state_memory_fraction: float = 0.5
+    # Rows of that memory kept for state snapshots (prefix reuse of hybrid models); None: as many
+    # as there are slots, when prefix caching is on.
+    num_state_snapshots: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -144,6 +147,8 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "rank0"):
             got = self.mm_encoder_tp_mode
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'rank0' (no sharded tower), got {got!r}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be at least 0, got {self.num_state_snapshots}")
         if not 0.0 < self.max_state_memory_fraction < 1.0:
             got = self.max_state_memory_fraction
             raise ValueError(f"max_state_memory_fraction must be in (0, 1), got {got}")

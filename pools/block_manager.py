@@ -239,10 +239,12 @@ class BlockManager:
             self.pool_of(block).forget(block)
         req.num_registered_blocks = min(req.num_registered_blocks, before)
 
-    def commit(self, req: Any) -> None:
-        """After a step: register the blocks that have just become full, so others can reuse them."""
+    def commit(self, req: Any) -> bool:
+        """After a step: register the blocks that have just become full, so others can reuse them.
+        Whether it offered anything new (to withdraw with `uncommit` if the forward failed)."""
         if not self.enable_prefix_caching:
-            return
+            return False
+        before = req.num_registered_blocks
         full = req.num_computed_tokens // self.block_size
         self._hash_full_blocks(req, upto=full)
         for i in range(req.num_registered_blocks, full):
@@ -256,6 +258,15 @@ class BlockManager:
             if tail is not None and tail not in self._tails:
                 self._tails[tail] = (req.block_table[(req.num_prompt_tokens - 1) // self.block_size], rid)
                 self._tail_of[rid] = tail
+        return req.num_registered_blocks > before
+
+    def restore_row(self, req: Any) -> int | None:
+        """A hybrid model's state snapshot a just-matched request starts from (hybrid_blocks.py)."""
+        return None
+
+    def plan_snapshots(self, req: Any, start: int, end: int) -> list[tuple[int, int]]:
+        """A hybrid model's state snapshots to take in a chunk (hybrid_blocks.py)."""
+        return []
 
     def _hash_full_blocks(self, req: Any, upto: int) -> None:
         while len(req.block_hashes) < upto:

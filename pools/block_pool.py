@@ -11,6 +11,7 @@ Allocation takes free blocks first and then evicts cached ones, oldest first, wi
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 
 class PoolExhausted(RuntimeError):
@@ -30,6 +31,8 @@ class BlockPool:
         self.hits = 0
         self.queries = 0
         self.evictions = 0
+        # Told each content hash this pool stops caching (what hangs off a block goes with it).
+        self.on_forget: Callable[[int], None] | None = None
 
     def __contains__(self, block: int) -> bool:
         return self.first_block <= block < self.first_block + self.num_blocks
@@ -63,8 +66,11 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._by_hash[self._hash_of.pop(block)]
+                gone = self._hash_of.pop(block)
+                del self._by_hash[gone]
                 self.evictions += 1
+                if self.on_forget is not None:
+                    self.on_forget(gone)
             self._refs[block - self.first_block] = 1
             blocks.append(block)
         return blocks
@@ -115,6 +121,11 @@ class BlockPool:
         content_hash = self._hash_of.pop(block, None)
         if content_hash is not None:
             del self._by_hash[content_hash]
+            if self.on_forget is not None:
+                self.on_forget(content_hash)
+
+    def caches(self, content_hash: int) -> bool:
+        return content_hash in self._by_hash
 
     def blocks_by_state(self) -> tuple[set[int], set[int], set[int]]:
         """(free, used, cached) block sets, for invariant checks."""

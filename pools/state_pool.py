@@ -37,17 +37,20 @@ class StateSpec:
 
 
 class StatePool:
-    def __init__(self, spec: StateSpec, num_slots: int, device: torch.device) -> None:
+    def __init__(self, spec: StateSpec, num_slots: int, device: torch.device, num_snapshots: int = 0) -> None:
+        """`num_snapshots`: rows after the slots that keep snapshots for prefix reuse
+        (state_snapshots.py manages them; the forward writes and restores them)."""
         if num_slots < 1:
             raise ValueError("the state pool needs at least one slot")
         self.spec = spec
         self.num_slots = num_slots
-        k = spec.conv_kernel - 1
+        self.snapshot_rows = range(num_slots, num_slots + num_snapshots)
+        rows, k = num_slots + num_snapshots, spec.conv_kernel - 1
         self.conv = [
-            torch.zeros(num_slots, spec.conv_channels, k, dtype=spec.dtype, device=device)
+            torch.zeros(rows, spec.conv_channels, k, dtype=spec.dtype, device=device)
             for _ in range(spec.num_layers)
         ]
-        shape = (num_slots, spec.num_heads, spec.key_dim, spec.value_dim)
+        shape = (rows, spec.num_heads, spec.key_dim, spec.value_dim)
         self.recurrent = [
             torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(spec.num_layers)
         ]
@@ -90,11 +93,16 @@ class StatePool:
         for t, host in zip((*self.conv, *self.recurrent), saved, strict=True):
             t[slot].copy_(host)
 
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows `src[i]` -> `dst[i]` in every layer (a snapshot into a slot), in stream order."""
+        for t in (*self.conv, *self.recurrent):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
     def report(self) -> dict[str, int]:
         return {
             "slots": self.num_slots,
             "used": self.num_used,
             "free": self.num_free,
             "bytes_per_slot": self.spec.bytes_per_slot,
-            "bytes": self.num_slots * self.spec.bytes_per_slot,
+            "bytes": (self.num_slots + len(self.snapshot_rows)) * self.spec.bytes_per_slot,
         }

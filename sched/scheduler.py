@@ -52,6 +52,10 @@ class ScheduledBatch:
     # chunk ends inside is in neither list the next step: the runner holds it meanwhile.
     new_images: list[tuple[Request, int]] = field(default_factory=list)  # (request, image index)
     passed_images: list[tuple[str, int]] = field(default_factory=list)  # (request id, image index)
+    # Hybrid models: snapshot rows copied into slots first (prefix reuse), and per request the
+    # points of its chunk whose state the forward keeps: (tokens into the chunk, snapshot row).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_snapshots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +67,7 @@ class ScheduledBatch:
         self.new_images = [(req, j) for req, j in self.new_images if not req.is_finished]
         live = {req.request_id for req, _ in self.items}
         self.passed_images = [(rid, j) for rid, j in self.passed_images if rid in live]
+        self.state_snapshots = {rid: v for rid, v in self.state_snapshots.items() if rid in live}
 
 
 @dataclass(slots=True)
@@ -224,6 +229,10 @@ class Scheduler:
         if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image
             return
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        if self.states is not None:
+            snaps = self.blocks.plan_snapshots(req, start, end)
+            if snaps:
+                batch.state_snapshots[req.request_id] = snaps
         held = self._straddling.pop(req.request_id, None)
         for j, span in enumerate(req.images):
             if span.offset >= end or span.offset + span.length <= start:
@@ -298,6 +307,9 @@ class Scheduler:
         self.blocks.allocate(req, n)
         if self.states is not None:
             self.states.allocate(req)
+            row = None if swapped else self.blocks.restore_row(req)
+            if row is not None:
+                p.batch.state_copies.append((row, req.state_slot))
         if swapped:
             self.swap.swap_in(req.request_id, req.block_table, req.state_slot)
         if not swapped:

@@ -44,7 +44,9 @@ class _Layout:
     decode_rows: torch.Tensor | None  # rows of the one-token sequences, batched together
     decode_slots: torch.Tensor | None
     decode_fresh: torch.Tensor | None  # float [decodes]: 0 where a sequence starts here
-    prefills: list[tuple[int, int, int, bool]]  # (first row, tokens, slot, continues a state)
+    # (first row, tokens, slot, continues a state, snapshots: (tokens in, row) each)
+    prefills: list[tuple[int, int, int, bool, list[tuple[int, int]]]]
+    decode_snapshots: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, rows) copied after
 
 
 def _layout(meta: AttentionMetadata) -> _Layout:
@@ -54,14 +56,16 @@ def _layout(meta: AttentionMetadata) -> _Layout:
     slots = meta.state_slots_cpu
     if slots is None:
         raise ValueError("a hybrid model's forward needs each sequence's state slot")
-    rows, dslots, fresh, prefills, row = [], [], [], [], 0
-    for n, seq_len, slot in zip(meta.query_lens_cpu, meta.seq_lens_cpu, slots, strict=True):
+    snapshots = meta.state_snapshots_cpu or [[]] * len(slots)
+    rows, dslots, fresh, prefills, kept, row = [], [], [], [], [], 0
+    for n, seq_len, slot, snaps in zip(meta.query_lens_cpu, meta.seq_lens_cpu, slots, snapshots, strict=True):
         if n == 1:
             rows.append(row)
             dslots.append(slot)
             fresh.append(0.0 if seq_len == 1 else 1.0)
+            kept.extend((slot, dst) for _, dst in snaps)
         else:
-            prefills.append((row, n, slot, seq_len > n))
+            prefills.append((row, n, slot, seq_len > n, snaps))
         row += n
     dev = meta.slot_mapping.device
     out = _Layout(None, None, None, prefills)
@@ -69,6 +73,9 @@ def _layout(meta: AttentionMetadata) -> _Layout:
         out.decode_rows = to_device(rows, torch.long, dev)
         out.decode_slots = to_device(dslots, torch.long, dev)
         out.decode_fresh = None if all(fresh) else to_device(fresh, torch.float32, dev)
+    if kept:
+        src, dst = zip(*kept, strict=True)
+        out.decode_snapshots = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
     meta.derived["hybrid"] = out
     return out
 
@@ -133,6 +140,22 @@ class GatedDeltaNet(nn.Module):
             v.reshape(n, self.heads, self.value_dim),
         )
 
+    def _prefill(self, mixed, g, beta, weight, out, conv, recurrent, row, n, slot, continues, snaps) -> None:
+        """One sequence's chunk, in pieces cut at its snapshot points: after each, the state so far
+        is also written to that point's snapshot row."""
+        conv_state = conv[slot] if continues else None
+        state = recurrent[slot] if continues else None
+        done = 0
+        for upto, dst in [*snaps, (n, None)]:
+            if upto > done:
+                part = slice(row + done, row + upto)
+                y, conv_state = gd.causal_conv(mixed[part], weight, conv_state)
+                out[part], state = gd.delta_rule_chunked(*self._qkv(y), g[part], beta[part], state)
+                done = upto
+            if dst is not None:
+                conv[dst], recurrent[dst] = conv_state, state
+        conv[slot], recurrent[slot] = conv_state, state
+
     def forward(self, x: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor, meta: AttentionMetadata):
         """`conv` `[slots, channels, kernel - 1]` and `recurrent` `[slots, heads, key_dim,
         value_dim]`: this layer's state pool tensors, updated in place for every sequence."""
@@ -154,13 +177,12 @@ class GatedDeltaNet(nn.Module):
             conv.index_copy_(0, slots, conv_state.to(conv.dtype))
             recurrent.index_copy_(0, slots, state)
             out[rows] = o
-        for row, n, slot, continues in lay.prefills:
-            part = slice(row, row + n)
-            y, conv[slot] = gd.causal_conv(mixed[part], weight, conv[slot] if continues else None)
-            o, recurrent[slot] = gd.delta_rule_chunked(
-                *self._qkv(y), g[part], beta[part], recurrent[slot] if continues else None
-            )
-            out[part] = o
+            if lay.decode_snapshots is not None:
+                src, dst = lay.decode_snapshots
+                conv.index_copy_(0, dst, conv.index_select(0, src))
+                recurrent.index_copy_(0, dst, recurrent.index_select(0, src))
+        for row, n, slot, continues, snaps in lay.prefills:
+            self._prefill(mixed, g, beta, weight, out, conv, recurrent, row, n, slot, continues, snaps)
         t = x.shape[0]
         normed = self.norm(
             out.to(x.dtype).view(t * self.heads, self.value_dim), z.reshape(t * self.heads, -1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.api import data_url, image_bytes
 from helpers.families import assert_all_free, engine, family_prompt, greedy, mm
 from helpers.images import make_image
 from mm_engine import SamplingParams
@@ -35,10 +36,15 @@ def hybrid(vl_family):
     return vl_family("qwen3_5")
 
 
-def memory(blocks: int, slots: int) -> dict:
-    """Engine memory for exactly `slots` state slots and `blocks` KV blocks."""
-    total = blocks * BLOCK_BYTES + slots * SLOT_BYTES
-    return dict(kv_cache_memory_bytes=total, max_state_memory_fraction=(slots * SLOT_BYTES + 1) / total)
+def memory(blocks: int, slots: int, snapshots: int = 0) -> dict:
+    """Engine memory for exactly `slots` state slots, `snapshots` snapshot rows (0, or as many as
+    the slots: with snapshots the slots take half the state rows) and `blocks` KV blocks."""
+    rows = slots + snapshots
+    total = blocks * BLOCK_BYTES + rows * SLOT_BYTES
+    fraction = (rows * SLOT_BYTES + 1) / total
+    return dict(
+        kv_cache_memory_bytes=total, max_state_memory_fraction=fraction, num_state_snapshots=snapshots
+    )
 
 
 def assert_no_state_held(llm) -> None:
@@ -110,12 +116,11 @@ def test_aborted_and_finished_requests_give_their_slots_back(hybrid):
     assert_all_free(llm)
 
 
-def test_video_placeholders_and_prefix_caching(hybrid):
+def test_video_placeholders_are_refused_by_name(hybrid):
     path, _ = hybrid
     llm = engine(path, "torch")
     with pytest.raises(ValueError, match="video placeholder .* video input is not supported yet"):
         llm.generate(mm("<|im_start|>user <|vision_start|><|video_pad|><|vision_end|> hi", []), greedy(2))
-    assert not llm.engine.core.blocks.enable_prefix_caching  # a KV prefix is no use without the state
     assert llm.generate(mm(prompt("what is this"), []), greedy(2))[0].finished  # still serving
 
 
@@ -123,3 +128,53 @@ def test_a_state_that_does_not_fit_is_refused_by_name(hybrid):
     path, _ = hybrid
     with pytest.raises(ValueError, match="recurrent state takes 58368 bytes"):
         engine(path, "torch", kv_cache_memory_bytes=64 * 1024)
+
+
+def test_a_conversation_about_one_image_picks_up_where_the_last_turn_left(hybrid):
+    path, ref = hybrid
+    llm = engine(path, "torch", **memory(60, 4, 4))
+    image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(5, size=(100, 60)))}}
+    turns = [[{"role": "user", "content": [image, {"type": "text", "text": "what is this"}]}]]
+    first = llm.chat(turns[0], greedy(6))[0]
+    second_turn = [*turns[0], {"role": "assistant", "content": first.outputs[0].text},
+                   {"role": "user", "content": "and the colour"}]  # fmt: skip
+    second = llm.chat(second_turn, greedy(6))[0]
+    cut = (len(first.prompt_token_ids) - 1) // 8 * 8  # the last block boundary before its last token
+    assert second.prompt_token_ids[:cut] == first.prompt_token_ids[:cut]
+    assert second.num_cached_tokens == cut  # the image and the first question are not computed again
+    assert second.outputs[0].token_ids == ref.generate(second.prompt, [make_image(5, (100, 60))], 6)
+    state = llm.kv_report()["state"]
+    assert state["snapshots_restored"] == 1 and state["snapshots"] > 0
+    assert_no_state_held(llm)
+    assert_all_free(llm)
+
+
+def test_the_samples_of_one_prompt_start_from_its_state_before_the_last_token(hybrid):
+    path, ref = hybrid
+    # A step holds the whole prompt (20 tokens): the later samples wait for it, then take its full
+    # blocks and a copy of its partial one, and the state from just before its last token.
+    llm = engine(path, "torch", max_num_batched_tokens=32, **memory(60, 4, 4))
+    text, imgs, _ = CASES[0]
+    outs = llm.generate(mm(text, imgs), SamplingParams(temperature=0.0, max_tokens=6, n=3))[0].outputs
+    want = ref.generate(text, imgs, 6)
+    assert [o.token_ids for o in outs] == [want] * 3
+    report = llm.kv_report()
+    assert report["state"]["snapshots_restored"] == 2  # the two later samples
+    assert sum(report[p]["partial_block_copies"] for p in ("text", "image")) == 2
+    assert_no_state_held(llm)
+    assert_all_free(llm)
+
+
+def test_snapshots_go_with_their_blocks(hybrid):
+    path, ref = hybrid
+    # Room for one prompt's blocks at a time: each new prompt evicts the last one's cached blocks,
+    # and with them the snapshots keyed by those blocks.
+    llm = engine(path, "torch", **memory(12, 2, 2))
+    for text, imgs, n in CASES[:3]:
+        assert llm.generate(mm(text, imgs), greedy(n))[0].outputs[0].token_ids == ref.generate(text, imgs, n)
+    report = llm.kv_report()
+    blocks = llm.engine.core.blocks
+    live = [k for k in blocks.snapshots._published if not blocks._alive(k)]
+    assert live == []  # every snapshot kept names a block still cached
+    assert report["state"]["snapshots"] <= 2
+    assert_all_free(llm)

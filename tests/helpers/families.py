@@ -10,8 +10,8 @@ from mm_engine import LLM, SamplingParams
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|> "
 ALL_FAMILIES = [
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3", "smolvlm", "internvl", "internvl_qwen3",
-    "mistral3", "llava_next", "llava_onevision", "gemma3",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm",
+    "internvl", "internvl_qwen3", "mistral3", "llava_next", "llava_onevision", "gemma3",
 ]  # fmt: skip
 
 

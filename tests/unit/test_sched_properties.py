@@ -17,7 +17,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mm_engine.pools.block_manager import IMAGE, TEXT, BlockManager
 from mm_engine.pools.block_pool import BlockPool
+from mm_engine.pools.hybrid_blocks import HybridBlockManager
 from mm_engine.pools.kv_cache import KVCache, KVCacheSpec
+from mm_engine.pools.state_pool import StatePool, StateSpec
+from mm_engine.pools.state_snapshots import StateSnapshots
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import ImageSpan, Request, Status
 from mm_engine.sampling_params import SamplingParams
@@ -39,15 +42,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_seqs=st.integers(1, 4),
         budget=st.integers(4, 24),
         cap=st.sampled_from([None, 1, 3, 8]),
+        snapshots=st.sampled_from([None, 0, 1, 3, 8]),
     )
-    def setup(self, mode, n_text, n_image, max_seqs, budget, cap):
+    def setup(self, mode, n_text, n_image, max_seqs, budget, cap, snapshots):
+        """`snapshots`: None for a plain model; else a hybrid one with a state slot per seat and
+        that many snapshot rows (0: no prefix reuse)."""
         spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
         self.kv = KVCache(spec, n_text + n_image, torch.device("cpu"))
-        self.blocks = BlockManager(
-            BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image), BS, True, 0.05
-        )
+        pools = BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image)
+        self.states = None
+        if snapshots is None:
+            self.blocks = BlockManager(*pools, BS, True, 0.05)
+        else:
+            state_spec = StateSpec(1, 1, 2, 1, 1, 1, torch.float32)
+            self.states = StatePool(state_spec, max_seqs, torch.device("cpu"), snapshots)
+            if snapshots:
+                self.blocks = HybridBlockManager(*pools, BS, StateSnapshots(self.states.snapshot_rows), 0.05)
+            else:
+                self.blocks = BlockManager(*pools, BS, False, 0.05)
         self.encoder_cache = EncoderCache(capacity_bytes=2 * IMG_TOKENS * 4)
-        swap = HostSwap(self.kv, 6 * spec.bytes_per_block) if mode == "swap" else None
+        swap = HostSwap(self.kv, 6 * spec.bytes_per_block, states=self.states) if mode == "swap" else None
         self.policy = PriorityPolicy(image_priority_boost=0.5, max_wait_s=MAX_WAIT, preemption_margin=1.0)
         self.sched = Scheduler(
             self.blocks,
@@ -59,6 +73,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             swap,
             max_waiting_requests=50,
             decode_step_prefill_tokens=cap,
+            states=self.states,
         )
         self.cap = cap
         self.budget = budget
@@ -122,7 +137,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if batch.copies:  # the runner copies partial prompt blocks before the forward writes
             src, dst = (torch.tensor(x) for x in zip(*batch.copies, strict=True))
             self.kv.copy_blocks(src, dst)
+        if batch.state_copies:  # and snapshots into the slots of requests that reuse a prefix
+            src, dst = (torch.tensor(x) for x in zip(*batch.state_copies, strict=True))
+            self.states.copy_rows(src, dst)
         for req, n in batch.items:
+            if self.states is not None:
+                self._fake_state(req, n, batch.state_snapshots.get(req.request_id, []))
             self._fake_run(req, n)
             assert req.num_computed_tokens <= req.num_tokens
             self.blocks.commit(req)
@@ -151,6 +171,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.held = (self.held | new) - set(batch.passed_images)
         held_per_request = [r for r, _ in self.held]
         assert len(held_per_request) == len(set(held_per_request)), "more than one image held for a request"
+
+    def _fake_state(self, req: Request, n: int, snapshots: list[tuple[int, int]]) -> None:
+        """What a hybrid forward does with the state: continue from the slot (zeros at the start),
+        keep the state at each snapshot point, leave the chunk's end in the slot."""
+        start, state = req.num_computed_tokens, self.states.recurrent[0]
+        if start > 0:
+            assert state[req.state_slot].item() == _state_value(req, start), (
+                "a chunk continued from a wrong state"
+            )
+        for offset, row in snapshots:
+            state[row] = _state_value(req, start + offset)
+        state[req.state_slot] = _state_value(req, start + n)
 
     def _fake_run(self, req: Request, n: int) -> None:
         """What the runner does that the scheduler relies on: touched images end up encoded (in
@@ -186,8 +218,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             for b in range(pool.first_block, pool.first_block + pool.num_blocks):
                 assert pool.ref_count(b) == holders.get(b, 0), f"block {b}: refs != holders"
         for req in self.sched.waiting:
-            assert req.status is Status.WAITING and not req.block_table
+            assert req.status is Status.WAITING and not req.block_table and req.state_slot is None
         assert len(self.sched.running) <= self.sched.max_num_seqs
+        if self.states is not None:
+            slots = [r.state_slot for r in self.sched.running]
+            assert None not in slots and len(set(slots)) == len(slots) == self.states.num_used
 
     @invariant()
     def kv_slots_hold_what_was_computed(self):
@@ -199,10 +234,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert got == _slot_value(req, p), f"request {req.request_id} position {p}: wrong KV"
 
     @invariant()
+    def snapshots_name_cached_blocks(self):
+        snapshots = getattr(getattr(self, "blocks", None), "snapshots", None)
+        if snapshots is not None:
+            assert all(self.blocks._alive(key) for key in snapshots._published), (
+                "a snapshot outlived its block"
+            )
+
+    @invariant()
     def nothing_leaks_when_idle(self):
         if hasattr(self, "blocks") and not self.live:
             for pool in self.blocks.pools.values():
                 assert pool.num_used == 0
+            if self.states is not None:
+                assert self.states.num_used == 0
             if self.sched.swap is not None:
                 assert self.sched.swap.used_bytes == 0
 
@@ -223,6 +268,14 @@ def _slot_value(req: Request, p: int) -> list[float]:
     (so two images' equal placeholder ids still differ)."""
     image = next((int(s.content_hash[3:]) + 1 for s in req.images if s.offset <= p < s.offset + s.length), 0)
     return [float(req.token_ids[p]), float(p + 1000 * image)]
+
+
+def _state_value(req: Request, p: int) -> float:
+    """A stand-in for the recurrent state after the first p tokens: a function of exactly those
+    tokens (and images), exact in float32."""
+    return float(
+        sum((v[0] + 7 * v[1]) * (i + 1) for i, v in enumerate(_slot_value(req, i) for i in range(p))) % 65521
+    )
 
 
 TestScheduler = SchedulerMachine.TestCase
