@@ -107,11 +107,27 @@ QWEN_TEXT_DIMS = dict(
     hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, max_position_embeddings=4096,
 )  # fmt: skip
-MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl")
+# The Qwen3.5 benchmark model: Qwen3.5-0.8B's language model (hidden 1024, 24 layers, three Gated
+# DeltaNet layers to one gated full-attention layer, 8 query / 2 KV heads of 256, 16 linear key
+# and value heads of 128, MLP 3584) with the benchmark vocabulary, after a Qwen3.5 tower of
+# SigLIP-base's size (patch 16, 2x2 merge). Same pixel bounds: 196 tokens an image.
+QWEN35_NAME = "qwen3.5-0.8b-like-v1"
+QWEN35_VISION_DIMS = dict(
+    depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024,
+    num_position_embeddings=2304,
+)  # fmt: skip
+QWEN35_TEXT_DIMS = dict(
+    hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=4096,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, partial_rotary_factor=0.25,
+)  # fmt: skip
+MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5")
 
 
 def resolve_model(model: str | None) -> str:
-    """A checkpoint folder as it is; `bench` (the default) or `bench-qwen2.5-vl`: built once."""
+    """A checkpoint folder as it is; `bench` (the default), `bench-qwen2.5-vl` or `bench-qwen3.5`:
+    built once."""
     if model in (None, "bench"):
         return str(bench_model_path())
     if model == "bench-bytelevel":
@@ -120,24 +136,31 @@ def resolve_model(model: str | None) -> str:
         return str(bench_model_path(even_heads=True))
     if model == "bench-qwen2.5-vl":
         return str(bench_qwen_model_path())
+    if model == "bench-qwen3.5":
+        return str(bench_qwen_model_path("qwen3_5"))
     return model
 
 
-def bench_qwen_model_path() -> Path:
-    path = cache_dir() / QWEN_NAME
+def bench_qwen_model_path(version: str = "qwen2_5_vl") -> Path:
+    """The Qwen2.5-VL benchmark model, or (`version="qwen3_5"`) the Qwen3.5 one; built once."""
+    if version == "qwen3_5":
+        name, patch, text, vision = QWEN35_NAME, 16, QWEN35_TEXT_DIMS, QWEN35_VISION_DIMS
+    else:
+        name, patch, text, vision = QWEN_NAME, 14, QWEN_TEXT_DIMS, QWEN_VISION_DIMS
+    path = cache_dir() / name
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"building the Qwen2.5-VL benchmark model into {path} (once) ...", flush=True)
+    print(f"building the {version} benchmark model into {path} (once) ...", flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = build_checkpoint(
-            "qwen2_5_vl",
-            Path(tmp) / QWEN_NAME,
-            patch_size=14,
-            min_pixels=392 * 392,
-            max_pixels=1024 * 28 * 28,
-            text_dims=QWEN_TEXT_DIMS,
-            vision_dims=QWEN_VISION_DIMS,
+            version,
+            Path(tmp) / name,
+            patch_size=patch,
+            min_pixels=(28 * patch) ** 2,
+            max_pixels=1024 * (2 * patch) ** 2,
+            text_dims=text,
+            vision_dims=vision,
             vocab_size=VOCAB,
             weight_scale=2.0,
         )

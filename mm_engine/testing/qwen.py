@@ -111,8 +111,9 @@ def build_qwen_checkpoint(
         if version in ("qwen3_5", "qwen3_5_moe"):
             moe = MOE_35_TEXT if version == "qwen3_5_moe" else {}
             text.update({**HYBRID_TEXT, **moe, **(text_dims or {})})
-            rope["partial_rotary_factor"] = 0.5
-            half //= 2
+            factor = text.pop("partial_rotary_factor", 0.5)  # Qwen3.5's own is 0.25 of 256
+            rope["partial_rotary_factor"] = factor
+            half = int(head_dim * factor) // 2
         rope.update(
             mrope_interleaved=True,
             mrope_section=[half - 2 * (5 * half // 16), 5 * half // 16, 5 * half // 16],
