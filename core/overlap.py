@@ -43,8 +43,7 @@ class OverlappedSteps:
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
         scheduled = self._schedule()  # into the caller's batch: what fails if anything does
-        batch.items, batch.copies = scheduled.items, scheduled.copies
-        batch.new_images, batch.passed_images = scheduled.new_images, scheduled.passed_images
+        batch.adopt(scheduled)
         if any(r.params.prompt_logprobs is not None and r.first_token_time is None for r, _ in batch.items):
             return self._plain_after(prev, batch, outputs)
         if prev is not None and self._reads_pending(prev, batch):

@@ -61,6 +61,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    def adopt(self, other: ScheduledBatch) -> None:
+        """Become `other`, field by field (the caller holds this object; every field comes along)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(other, name))
+
     def drop_finished(self) -> None:
         """Leave out the requests that ended meanwhile (a step read before this one launches)."""
         self.items = [(req, n) for req, n in self.items if not req.is_finished]

@@ -1,5 +1,5 @@
 """Tool calling: the Hermes parser (whole and streamed, cut anywhere), and `tools` / `tool_choice`
-through `/v1/chat/completions` with the official openai client on a byte-level Qwen2.5-VL
+through `/v1/chat/completions` with the official openai client on a byte-level Qwen3.5
 checkpoint whose template shows the tools. A random model never calls a tool by itself, so the
 "auto" tests hold it to a call with a regex (vLLM's `structured_outputs` extra) and check what the
 server makes of the text; "required" and a named tool_choice hold it with their own grammars."""
@@ -39,7 +39,8 @@ KW = dict(kv_cache_memory_bytes=16 * 1024**2, max_model_len=512)
 
 @pytest.fixture(scope="module")
 def qwen_bytes(tmp_path_factory) -> str:
-    return str(build_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("qwen_tools") / "q", byte_level=True))
+    # Qwen3.5 (its hybrid model under the tool grammars; Qwen2.5-VL's template is the same).
+    return str(build_checkpoint("qwen3_5", tmp_path_factory.mktemp("qwen_tools") / "q", byte_level=True))
 
 
 # ---- the parser ----------------------------------------------------------------------------------

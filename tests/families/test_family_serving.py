@@ -23,7 +23,8 @@ from mm_engine.jobs.caption import caption_images
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 FAMILIES = [
-    "qwen2_5_vl", "qwen3_vl", "smolvlm", "internvl", "mistral3", "llava_next", "llava_onevision", "gemma3",
+    "qwen2_5_vl", "qwen3_vl", "qwen3_5", "smolvlm", "internvl", "mistral3", "llava_next", "llava_onevision",
+    "gemma3",
 ]  # fmt: skip
 ENGINE = {"kv_cache_memory_bytes": 16 * 1024**2, "block_size": 8, "max_num_batched_tokens": 32}
 

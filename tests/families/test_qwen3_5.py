@@ -178,3 +178,19 @@ def test_snapshots_go_with_their_blocks(hybrid):
     assert live == []  # every snapshot kept names a block still cached
     assert report["state"]["snapshots"] <= 2
     assert_all_free(llm)
+
+
+def test_async_scheduling_with_snapshots_matches_transformers(hybrid):
+    """Overlapped steps: a snapshot is offered when its step settles, before its forward has run;
+    a request that reuses it copies it in a later forward, which runs after (stream order)."""
+    path, ref = hybrid
+    llm = engine(path, "torch", async_scheduling=True, **memory(60, 4, 4))
+    again = (prompt("what colour is it", 1), CASES[0][1], 6)  # the first case's image again
+    batch = [*CASES, again]
+    outs = llm.generate([mm(p, i) for p, i, _ in batch], [greedy(n) for *_, n in batch])
+    for out, (text, imgs, n) in zip(outs, batch, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
+    assert llm.engine.core.launcher is not None  # the overlapped loop (on a CPU: a launcher thread)
+    assert outs[-1].num_cached_tokens > 0  # the image's prefix, from a snapshot
+    assert_no_state_held(llm)
+    assert_all_free(llm)
