@@ -121,6 +121,22 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
             lambda gu=gu: cpu_elementwise.silu_and_mul(lib, gu),
             lambda gu=gu: TORCH_OPS.silu_and_mul(gu),
         ))  # fmt: skip
+    # Gated DeltaNet's decode step at Qwen3.5-0.8B's heads (16 key and value heads of 128): C in
+    # place in the pool against the torch path's gather, five passes and scatter.
+    from mm_engine.kernels import cpu_linear_attention
+
+    heads, dk = (4, 32) if quick else (16, 128)
+    for batch in (1, 8) if quick else (1, 8, 32):
+        pool = torch.randn(batch + 2, heads, dk, dk, generator=g) * 0.1
+        slots = torch.arange(batch) + 1
+        qkv = torch.randn(batch, 3 * heads * dk, generator=g)
+        decay, beta = -torch.rand(batch, heads, generator=g), torch.rand(batch, heads, generator=g)
+        args = (pool, slots, qkv, decay, beta, heads)
+        out.append((
+            "delta_rule", f"{batch} seqs x {heads} heads x {dk}x{dk}",
+            lambda a=args: cpu_linear_attention.delta_rule_step_(lib, *a),
+            lambda a=args: TORCH_OPS.delta_rule_step_(*a),
+        ))  # fmt: skip
     act = torch.randn(2 if quick else 8 * 196, vision_mlp, generator=g)
     out.append((
         "gelu_tanh", f"{act.shape[0]} x {vision_mlp} (vision MLP)",

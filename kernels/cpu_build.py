@@ -39,7 +39,15 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [
-    HERE / f"{n}.c" for n in ("cpu_decode", "cpu_prefill", "cpu_elementwise", "cpu_gemm", "cpu_kv_write")
+    HERE / f"{n}.c"
+    for n in (
+        "cpu_decode",
+        "cpu_prefill",
+        "cpu_elementwise",
+        "cpu_gemm",
+        "cpu_kv_write",
+        "cpu_linear_attention",
+    )
 ]
 HEADERS = [HERE / "cpu_simd.h"]
 FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512bf16")
@@ -77,6 +85,7 @@ SIGNATURES = {
         *(_P, _I32, _I32),  # per-token bidirectional ends (or NULL), window (0: none), threads
     ],
     "silu_and_mul": [_P, _I64, _P, _I64, _I64, _I32],
+    "delta_rule_step_": [_P, _P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "gelu_tanh_": [_P, _I64, _I32],
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],

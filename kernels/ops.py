@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mm_engine.kernels import cpu_elementwise, cpu_prefill
+from mm_engine.kernels import cpu_elementwise, cpu_linear_attention, cpu_prefill, gated_delta
 from mm_engine.kernels.cpu_kernels import CpuKernels
 
 
@@ -53,6 +53,21 @@ class TorchOps:
         """transformers' tanh-GELU; may overwrite `x` (an MLP's hidden activations)."""
         return F.gelu(x, approximate="tanh")
 
+    def delta_rule_step_(
+        self, state: torch.Tensor, slots: torch.Tensor, qkv: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, key_heads: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The gated delta rule's decode step for a batch: `state` the pool `[rows, heads, key_dim,
+        value_dim]` (float32), updated in place at rows `slots`; `qkv` `[batch, q | k | v]`; g and
+        beta `[batch, heads]`. Returns `[batch, heads, value_dim]` in float32."""
+        heads, dk, dv = state.shape[1:]
+        n = qkv.shape[0]
+        q, k, v = qkv.split([key_heads * dk, key_heads * dk, heads * dv], -1)
+        shaped = q.reshape(n, key_heads, dk), k.reshape(n, key_heads, dk), v.reshape(n, heads, dv)
+        out, new = gated_delta.delta_rule_step(*shaped, g, beta, state[slots])
+        state.index_copy_(0, slots, new)
+        return out
+
     def bidirectional_attention(self, query, key, value, scale: float) -> torch.Tensor | None:
         """Full attention within each image, `[batch, heads, tokens, dim]` in, `[batch, tokens,
         heads, dim]` out; None: the caller's own attention (SDPA) answers."""
@@ -67,8 +82,9 @@ class CpuOps(TorchOps):
         self.kernels, self.lib = kernels, kernels.lib
         self.name = f"cpu-{kernels.variant}"
         # Looked up once: these run per layer and step.
-        self.c_norm, self.c_rotary, self.c_silu, self.c_gelu, self.c_vision = (
-            kernels.uses(k) for k in ("rms_norm", "rotary", "silu_and_mul", "gelu_tanh", "vision_attention")
+        self.c_norm, self.c_rotary, self.c_silu, self.c_gelu, self.c_vision, self.c_delta = (
+            kernels.uses(k)
+            for k in ("rms_norm", "rotary", "silu_and_mul", "gelu_tanh", "vision_attention", "delta_rule")
         )
 
     def rms_norm(self, x, weight, eps):
@@ -101,6 +117,13 @@ class CpuOps(TorchOps):
         if self.c_gelu and cpu_elementwise.gelu_tanh_(self.lib, x):
             return x
         return super().gelu_tanh(x)
+
+    def delta_rule_step_(self, state, slots, qkv, g, beta, key_heads):
+        if self.c_delta:
+            out = cpu_linear_attention.delta_rule_step_(self.lib, state, slots, qkv, g, beta, key_heads)
+            if out is not None:
+                return out
+        return super().delta_rule_step_(state, slots, qkv, g, beta, key_heads)
 
     def bidirectional_attention(self, query, key, value, scale):
         if self.c_vision:

@@ -91,8 +91,9 @@ class GatedNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config, ops: TorchOps = TORCH_OPS, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        self.ops = ops  # the decode step's kernel (C on the cpu backend)
         h = config.hidden_size
         self.key_heads, self.heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -165,18 +166,14 @@ class GatedDeltaNet(nn.Module):
         out = x.new_empty(x.shape[0], self.heads, self.value_dim, dtype=torch.float32)
         if lay.decode_rows is not None:
             rows, slots = lay.decode_rows, lay.decode_slots
-            conv_state, state = conv[slots], recurrent[slots]
+            conv_state = conv[slots]
             if lay.decode_fresh is not None:  # a one-token prompt: nothing before it
                 keep = lay.decode_fresh
-                conv_state, state = (
-                    conv_state * keep.view(-1, 1, 1).to(conv.dtype),
-                    state * keep.view(-1, 1, 1, 1),
-                )
+                conv_state = conv_state * keep.view(-1, 1, 1).to(conv.dtype)
+                recurrent.index_copy_(0, slots, recurrent[slots] * keep.view(-1, 1, 1, 1))
             y, conv_state = gd.causal_conv_step(mixed[rows], weight, conv_state)
-            o, state = gd.delta_rule_step(*self._qkv(y), g[rows], beta[rows], state)
             conv.index_copy_(0, slots, conv_state.to(conv.dtype))
-            recurrent.index_copy_(0, slots, state)
-            out[rows] = o
+            out[rows] = self.ops.delta_rule_step_(recurrent, slots, y, g[rows], beta[rows], self.key_heads)
             if lay.decode_snapshots is not None:
                 src, dst = lay.decode_snapshots
                 conv.index_copy_(0, dst, conv.index_select(0, src))
@@ -244,7 +241,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.linear = config.layer_types[i] == LINEAR
         if self.linear:
-            self.linear_attn = GatedDeltaNet(config, dtype)
+            self.linear_attn = GatedDeltaNet(config, ops, dtype)
         else:
             self.self_attn = GatedAttention(config, head_dim, ops, dtype)
         self.mlp = (

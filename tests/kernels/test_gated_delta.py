@@ -79,3 +79,24 @@ def test_the_causal_conv_split_anywhere_equals_one_pass():
         outs.append(o)
         state = s[0]
     torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-5)
+
+
+def test_the_c_decode_step_updates_the_pool_in_place_as_the_torch_path(cpu_lib):
+    from mm_engine.kernels import cpu_linear_attention
+    from mm_engine.kernels.ops import TORCH_OPS
+
+    g = torch.Generator().manual_seed(5)
+    key_heads, heads, dk, dv, batch = 2, 4, 32, 48, 3
+    pool = torch.randn(6, heads, dk, dv, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    wide = torch.randn(batch, 2 * key_heads * dk + heads * dv + 7, generator=g)
+    qkv = wide[:, : 2 * key_heads * dk + heads * dv]  # a view with a wider row, as after the conv
+    decay, beta = -torch.rand(batch, heads, generator=g), torch.rand(batch, heads, generator=g)
+    want_pool = pool.clone()
+    want = TORCH_OPS.delta_rule_step_(want_pool, slots, qkv, decay, beta, key_heads)
+    got = cpu_linear_attention.delta_rule_step_(cpu_lib, pool, slots, qkv, decay, beta, key_heads)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        pool, want_pool, rtol=1e-5, atol=1e-5
+    )  # other rows untouched, its rows updated
+    assert cpu_linear_attention.delta_rule_step_(cpu_lib, pool.double(), slots, qkv, decay, beta, 2) is None
