@@ -30,6 +30,7 @@ class HybridBlockManager(BlockManager):
     ) -> None:  # fmt: skip
         super().__init__(text_pool, image_pool, block_size, True, watermark)
         self.snapshots = snapshots
+        self._restore: dict[str, int | None] = {}  # request id -> the row its match ends at
         for pool in self.pools.values():
             pool.on_forget = snapshots.drop
 
@@ -56,12 +57,17 @@ class HybridBlockManager(BlockManager):
             n -= bs
         req.num_computed_tokens = n
         req.num_registered_blocks = min(req.num_registered_blocks, len(req.block_table))
+        # Its row, taken now: admitting it may preempt the snapshot's owner (a tail goes with it);
+        # a row dropped meanwhile is still read before anything writes it (copies run first).
+        self._restore[rid] = self.snapshots.peek(self.state_key(req, n)) if n else None
         return n
 
     def restore_row(self, req: Any) -> int | None:
-        """The snapshot row a just-matched request starts from (None: it starts from zeros)."""
-        n = req.num_computed_tokens
-        return None if n == 0 else self.snapshots.row(self.state_key(req, n))
+        """The snapshot row a just-admitted request starts from (None: it starts from zeros)."""
+        row = self._restore.pop(req.request_id, None)
+        if row is not None:
+            self.snapshots.restored += 1
+        return row
 
     def plan_snapshots(self, req: Any, start: int, end: int) -> list[tuple[int, int]]:
         """(tokens into the chunk `[start, end)`, row) for each point in it whose state to keep."""
@@ -96,3 +102,4 @@ class HybridBlockManager(BlockManager):
         if tail is not None:
             self.snapshots.drop(tail)
         self.snapshots.discard(req.request_id)
+        self._restore.pop(req.request_id, None)

@@ -37,10 +37,9 @@ class StateSnapshots:
     def has(self, key: bytes) -> bool:
         return key in self._published
 
-    def row(self, key: bytes) -> int:
+    def peek(self, key: bytes) -> int:
         """The row of a published snapshot, now the most recently used."""
         self._published.move_to_end(key)
-        self.restored += 1
         return self._published[key]
 
     def reserve(self, request_id: str, key: bytes) -> int | None:
