@@ -32,7 +32,7 @@ from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.models.platform import make_platform
 from mm_engine.parallel.executor import TensorParallel
-from mm_engine.parallel.ranks import kv_spec, rank_device, rank_threads, state_spec
+from mm_engine.parallel.ranks import pool_specs, rank_device, rank_threads
 from mm_engine.parallel.vision_dp import DataParallelEncoder
 from mm_engine.pools.cpu_memory import tune_malloc
 from mm_engine.pools.setup import build_pools
@@ -90,9 +90,8 @@ class EngineCore(OverlappedSteps):
         text_cfg = self.hf_config.text_config
         self.max_model_len = config.max_model_len or text_cfg.max_position_embeddings
         lm = self.model.language_model
-        spec = kv_spec(config, text_cfg, lm, config.tensor_parallel_size)
+        spec, sspec = pool_specs(config, text_cfg, lm, config.tensor_parallel_size)
         share = self.parallel.share_num_blocks if self.parallel is not None else None
-        sspec = state_spec(config, text_cfg, lm)
         self.kv, self.blocks, self.states = build_pools(config, spec, self.device, share, sspec)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         # By default one step may encode at least one whole image, whatever the token budget.
@@ -114,9 +113,7 @@ class EngineCore(OverlappedSteps):
             config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
         )
         swap = config.preemption_mode == "swap"  # (under TP each worker repeats the swaps)
-        self.swap = None
-        if swap:
-            self.swap = HostSwap(self.kv, config.swap_space_bytes, mirror=self.parallel, states=self.states)
+        self.swap = HostSwap(self.kv, config.swap_space_bytes, self.parallel, self.states) if swap else None
         self.scheduler = Scheduler(
             self.blocks,
             policy,

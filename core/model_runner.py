@@ -190,14 +190,7 @@ class ModelRunner:
                 to_device(rows.prev_src, torch.long, dev),
             )
         wanted = rows.sample_rows + rows.extra_rows
-        block_copies = None
-        if copies:
-            src, dst = zip(*copies, strict=True)
-            block_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
-        state_copies = None
-        if batch.state_copies:
-            src, dst = zip(*batch.state_copies, strict=True)
-            state_copies = (to_device(list(src), torch.long, dev), to_device(list(dst), torch.long, dev))
+        block_copies, state_copies = self._pairs(copies), self._pairs(batch.state_copies)
         return StepInputs(
             ids, positions, meta, embed_rows, embed_feats, rows.sample_rows, rows.sampling, from_prev,
             rows.extra_rows, rows.prompt_rows, to_device(wanted, torch.long, dev) if wanted else None,
@@ -246,6 +239,13 @@ class ModelRunner:
             return hidden.new_empty((0, 0)), inputs.sampling
         logits = lm.logits(hidden.index_select(0, inputs.logit_rows))
         return logits, inputs.sampling
+
+    def _pairs(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sources, destinations) of copies on the device; None for none."""
+        if not pairs:
+            return None
+        src, dst = zip(*pairs, strict=True)
+        return to_device(list(src), torch.long, self.device), to_device(list(dst), torch.long, self.device)
 
     def _ranges(
         self, n: int, pieces: list[tuple[torch.Tensor, int, int]]

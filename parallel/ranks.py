@@ -80,3 +80,8 @@ def state_spec(config: EngineConfig, text_config, lm) -> StateSpec | None:
         value_dim=text_config.linear_value_head_dim,
         dtype=config.torch_dtype(),
     )
+
+
+def pool_specs(config: EngineConfig, text_config, lm, world: int) -> tuple[KVCacheSpec, StateSpec | None]:
+    """Rank 0's KV layout and (hybrid models) recurrent-state layout."""
+    return kv_spec(config, text_config, lm, world), state_spec(config, text_config, lm)
