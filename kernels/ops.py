@@ -68,6 +68,34 @@ class TorchOps:
         state.index_copy_(0, slots, new)
         return out
 
+    def delta_rule_chunked(self, q, k, v, g, beta, state):
+        """One sequence's prefill piece: gated_delta.delta_rule_chunked's contract."""
+        return gated_delta.delta_rule_chunked(q, k, v, g, beta, state)
+
+    def moe_experts(
+        self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor, act=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Each (token, expert) pair's expert output `[pairs, hidden]`, pairs sorted by `expert`
+        (`token` `[pairs]` indexes x's rows). `gate_up` `[experts, hidden, 2 x width]` (gate, then
+        up), `down` `[experts, width, hidden]`; `act` the gate's activation (None: SiLU). Grouped:
+        each expert with pairs runs once over all of them."""
+        counts = torch.bincount(expert, minlength=gate_up.shape[0]).tolist()
+        rows = x[token]
+        out = torch.empty(rows.shape[0], down.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                h = rows[start : start + n] @ gate_up[e]
+                if act is None:
+                    h = self.silu_and_mul(h)
+                else:
+                    gate, up = h.chunk(2, dim=-1)
+                    h = act(gate) * up
+                out[start : start + n] = h @ down[e]
+                start += n
+        return out
+
     def bidirectional_attention(self, query, key, value, scale: float) -> torch.Tensor | None:
         """Full attention within each image, `[batch, heads, tokens, dim]` in, `[batch, tokens,
         heads, dim]` out; None: the caller's own attention (SDPA) answers."""
@@ -131,8 +159,34 @@ class CpuOps(TorchOps):
         return None
 
 
+class TritonOps(TorchOps):
+    """The attention backend "triton"'s ops: the gated delta rule and the grouped experts as
+    Triton kernels (kernels/triton_gated_delta.py, triton_moe.py), torch for the rest."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from mm_engine.kernels import triton_gated_delta, triton_moe
+
+        self.delta, self.moe = triton_gated_delta, triton_moe
+
+    def delta_rule_step_(self, state, slots, qkv, g, beta, key_heads):
+        return self.delta.delta_rule_step_(state, slots, qkv, g, beta, key_heads)
+
+    def delta_rule_chunked(self, q, k, v, g, beta, state):
+        return self.delta.delta_rule_piece(q, k, v, g, beta, state)
+
+    def moe_experts(self, x, token, expert, gate_up, down, act=None):
+        if act is not None or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+            return super().moe_experts(x, token, expert, gate_up, down, act)
+        return self.moe.grouped_experts(x, token, expert, gate_up, down, self.silu_and_mul)
+
+
 TORCH_OPS = TorchOps()
 
 
-def ops_for(kernels: CpuKernels | None) -> TorchOps:
+def ops_for(kernels: CpuKernels | None, backend: str = "torch") -> TorchOps:
+    """`backend`: the resolved attention backend's name ("triton" brings its kernels)."""
+    if backend == "triton":
+        return TritonOps()
     return TORCH_OPS if kernels is None else CpuOps(kernels)

@@ -66,7 +66,8 @@ def make_platform(
         kernels = cpu_kernels.select(cpu_variant, cpu_kernel_set)
         if kernels is None and cpu_build.status()["errors"]:
             log.warning("no CPU C kernels: %s", cpu_build.status()["errors"])
-    platform = Platform(device, get_backend(attention_backend, device, kernels), ops_for(kernels), kernels)
+    backend = get_backend(attention_backend, device, kernels)
+    platform = Platform(device, backend, ops_for(kernels, backend.name), kernels)
     log.info("platform: %s", platform.summary())
     return platform
 

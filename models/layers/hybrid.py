@@ -151,7 +151,7 @@ class GatedDeltaNet(nn.Module):
             if upto > done:
                 part = slice(row + done, row + upto)
                 y, conv_state = gd.causal_conv(mixed[part], weight, conv_state)
-                out[part], state = gd.delta_rule_chunked(*self._qkv(y), g[part], beta[part], state)
+                out[part], state = self.ops.delta_rule_chunked(*self._qkv(y), g[part], beta[part], state)
                 done = upto
             if dst is not None:
                 conv[dst], recurrent[dst] = conv_state, state

@@ -3,9 +3,10 @@ for each token, the top `num_experts_per_tok` are kept (softmax, renormalised ov
 `norm_topk_prob`), and the token's output is their weighted sum (Qwen3.5-MoE adds a shared expert
 that every token goes through, scaled by a sigmoid gate).
 
-Grouped: the (token, expert) pairs are sorted by expert, and each expert that any token chose runs
-once, as one matmul pair over all of its tokens; an expert no token chose costs nothing. The loop
-is over experts with work, never over tokens.
+Grouped: the (token, expert) pairs are sorted by expert and handed to the ops (`moe_experts`):
+torch runs each expert that any token chose once, as one matmul pair over all of its tokens (the
+loop is over experts with work, never over tokens); Triton runs every expert in one launch per
+matmul (kernels/triton_moe.py).
 
 Weights are kept as Qwen3-VL-MoE's published checkpoints store them (transformers' own layout is
 transposed on load, and per-expert tensors stacked, `checkpoint_layout`): `experts.gate_up_proj`
@@ -97,7 +98,7 @@ class SparseMoE(nn.Module):
         self.gate = _Router(experts, hidden, dtype)
         self.experts = _Experts(experts, hidden, width, dtype)
         self.act = ACT2FN[config.hidden_act]
-        self.silu = config.hidden_act == "silu"
+        self.silu = config.hidden_act == "silu"  # the ops' fused SiLU-and-multiply
         self.ops, self.tp = ops, tp
         # Qwen3.5-MoE: one expert every token goes through, its output scaled by a sigmoid gate.
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
@@ -116,28 +117,15 @@ class SparseMoE(nn.Module):
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order within each
         token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.experts.num).tolist()
-        rows = x[token]
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                out_rows[start : start + n] = self._expert(e, rows[start : start + n])
-                start += n
+        act = None if self.silu else self.act
+        out_rows = self.ops.moe_experts(
+            x, token, flat[order], self.experts.gate_up_proj, self.experts.down_proj, act
+        )
         out = torch.zeros_like(x)
         out.index_add_(0, token, out_rows * weights.reshape(-1)[order, None])
         if self.shared_expert is not None:  # (under tp a partial sum too: one reduce for both)
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.experts.gate_up_proj[e]
-        if self.silu:
-            h = self.ops.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        return h @ self.experts.down_proj[e]
 
 
 class _Router(nn.Module):

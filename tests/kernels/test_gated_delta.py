@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+from helpers.delta_rule import step_case
 from mm_engine.kernels import gated_delta as gd
 
 
@@ -85,13 +86,7 @@ def test_the_c_decode_step_updates_the_pool_in_place_as_the_torch_path(cpu_lib):
     from mm_engine.kernels import cpu_linear_attention
     from mm_engine.kernels.ops import TORCH_OPS
 
-    g = torch.Generator().manual_seed(5)
-    key_heads, heads, dk, dv, batch = 2, 4, 32, 48, 3
-    pool = torch.randn(6, heads, dk, dv, generator=g)
-    slots = torch.tensor([4, 0, 2])
-    wide = torch.randn(batch, 2 * key_heads * dk + heads * dv + 7, generator=g)
-    qkv = wide[:, : 2 * key_heads * dk + heads * dv]  # a view with a wider row, as after the conv
-    decay, beta = -torch.rand(batch, heads, generator=g), torch.rand(batch, heads, generator=g)
+    pool, slots, qkv, decay, beta, key_heads = step_case()
     want_pool = pool.clone()
     want = TORCH_OPS.delta_rule_step_(want_pool, slots, qkv, decay, beta, key_heads)
     got = cpu_linear_attention.delta_rule_step_(cpu_lib, pool, slots, qkv, decay, beta, key_heads)
