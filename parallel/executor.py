@@ -74,19 +74,21 @@ class TensorParallel:
             raise ParallelError(f"tensor-parallel group failed to start: {result['error']}")
         return result["group"]  # type: ignore[return-value]
 
-    def share_num_blocks(self, num_blocks: int) -> None:
-        self._tell(lambda pipes: [write(p, Blocks(num_blocks)) for p in pipes])
+    def share_num_blocks(self, num_blocks: int, state_slots: int = 0, state_snapshots: int = 0) -> None:
+        """The pools' sizes (pools/setup.py's `on_count`): every rank holds its heads of them."""
+        msg = Blocks(num_blocks, state_slots, state_snapshots)
+        self._tell(lambda pipes: [write(p, msg) for p in pipes])
 
     def send(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> None:
         """Before rank 0's forward: the workers get the same inputs and run theirs alongside."""
         self._tell(lambda pipes: send_step(pipes, inputs, self.group, prev_tokens))
 
     # Swap preemption (pools/swap.py's SwapMirror): each worker repeats rank 0's swaps on its heads.
-    def swap_out(self, request_id: str, blocks: list[int]) -> None:
-        self._tell(lambda pipes: [write(p, SwapOut(request_id, blocks)) for p in pipes])
+    def swap_out(self, request_id: str, blocks: list[int], state_slot: int | None = None) -> None:
+        self._tell(lambda pipes: [write(p, SwapOut(request_id, blocks, state_slot)) for p in pipes])
 
-    def swap_in(self, request_id: str, blocks: list[int]) -> None:
-        self._tell(lambda pipes: [write(p, SwapIn(request_id, blocks)) for p in pipes])
+    def swap_in(self, request_id: str, blocks: list[int], state_slot: int | None = None) -> None:
+        self._tell(lambda pipes: [write(p, SwapIn(request_id, blocks, state_slot)) for p in pipes])
 
     def drop(self, request_id: str) -> None:
         self._tell(lambda pipes: [write(p, SwapDrop(request_id)) for p in pipes])

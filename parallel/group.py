@@ -113,10 +113,18 @@ def destroy_group() -> None:
 
 
 def check_divisible(text_config, world: int) -> None:
-    """Attention heads, KV heads and the MLP width (each expert's, with MoE) must split evenly."""
-    names = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    """Attention heads, KV heads and the MLP width (each expert's, with MoE; the shared expert's)
+    must split evenly, and a hybrid model's linear-attention key and value heads."""
+    names = ["num_attention_heads", "num_key_value_heads"]
     if getattr(text_config, "num_experts", 0):
         names.append("moe_intermediate_size")  # each expert's width is split too
+    optional = (
+        "intermediate_size",
+        "shared_expert_intermediate_size",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    )
+    names += [name for name in optional if getattr(text_config, name, None)]
     for name in names:
         n = getattr(text_config, name)
         if n % world:

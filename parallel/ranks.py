@@ -63,19 +63,19 @@ def kv_spec(config: EngineConfig, text_config, lm, world: int) -> KVCacheSpec:
     return KVCacheSpec(lm.num_kv_layers, heads, lm.head_dim, config.block_size, config.torch_dtype())
 
 
-def state_spec(config: EngineConfig, text_config, lm) -> StateSpec | None:
-    """A hybrid model's recurrent state per sequence (every linear-attention layer); None for a
-    model without linear-attention layers."""
+def state_spec(config: EngineConfig, text_config, lm, world: int) -> StateSpec | None:
+    """A rank's recurrent state per sequence of a hybrid model (every linear-attention layer, its
+    share of the heads); None for a model without linear-attention layers."""
     layers = getattr(lm, "num_linear_layers", 0)
     if not layers:
         return None
-    keys = text_config.linear_num_key_heads * text_config.linear_key_head_dim
-    values = text_config.linear_num_value_heads * text_config.linear_value_head_dim
+    keys = text_config.linear_num_key_heads // world * text_config.linear_key_head_dim
+    values = text_config.linear_num_value_heads // world * text_config.linear_value_head_dim
     return StateSpec(
         num_layers=layers,
         conv_channels=2 * keys + values,
         conv_kernel=text_config.linear_conv_kernel_dim,
-        num_heads=text_config.linear_num_value_heads,
+        num_heads=text_config.linear_num_value_heads // world,
         key_dim=text_config.linear_key_head_dim,
         value_dim=text_config.linear_value_head_dim,
         dtype=config.torch_dtype(),
@@ -84,4 +84,4 @@ def state_spec(config: EngineConfig, text_config, lm) -> StateSpec | None:
 
 def pool_specs(config: EngineConfig, text_config, lm, world: int) -> tuple[KVCacheSpec, StateSpec | None]:
     """Rank 0's KV layout and (hybrid models) recurrent-state layout."""
-    return kv_spec(config, text_config, lm, world), state_spec(config, text_config, lm)
+    return kv_spec(config, text_config, lm, world), state_spec(config, text_config, lm, world)

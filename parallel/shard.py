@@ -1,18 +1,25 @@
 """Which part of each language-model weight a tensor-parallel rank holds (Megatron's split):
 q, k, v, gate and up by output rows (heads, columns), o_proj and down by input columns, the
 embedding and the LM head by vocabulary rows; norms whole. Experts (MoE) split the same way
-inside each expert; the router is whole. A row-parallel layer's bias is added
-once, after the sum over ranks: rank 0 holds it, the others zeros."""
+inside each expert; the router is whole. A linear-attention layer (Qwen3.5) splits by its key
+and value heads: in_proj_qkv and the conv hold q, k and v channels one after the other, so each
+of the three parts is split; z, beta, the decay's parameters by value heads; out_proj by rows.
+A row-parallel layer's bias is added once, after the sum over ranks: rank 0 holds it, the others
+zeros."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
 
 from mm_engine.parallel.group import TPGroup
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split the output (dim 0)
-ROW = ("o_proj", "down_proj")  # split the input (dim 1)
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_z", "in_proj_b", "in_proj_a")
+ROW = ("o_proj", "down_proj", "out_proj")  # split the input (dim 1)
+SEGMENTED = ("in_proj_qkv", "conv1d")  # q | k | v channels, each part split (dim 0)
+PER_HEAD = ("dt_bias", "A_log")  # a linear-attention layer's per-value-head parameters
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -30,6 +37,14 @@ def shard_state(state: dict, lm: nn.Module, tp: TPGroup) -> dict[str, torch.Tens
             out[key] = _expert_columns(_whole(ref), want[-1] // 2, tp)
         elif key.endswith("experts.down_proj"):  # [experts, width, hidden]
             out[key] = _range(ref, 1, tp.rank * want[1], want[1])
+        elif layer in SEGMENTED:
+            widths = lm.get_submodule(key.rsplit(".", 2)[0]).widths  # this rank's q, k, v channels
+            out[key] = torch.cat([
+                _range(ref, 0, start * tp.world + tp.rank * w, w)
+                for start, w in zip([0, *itertools.accumulate(widths)], widths)  # noqa: B905
+            ])  # fmt: skip
+        elif key.rsplit(".", 1)[-1] in PER_HEAD:
+            out[key] = _range(ref, 0, tp.rank * want[0], want[0])
         elif key in VOCAB:
             out[key] = _vocab_rows(ref, want, tp)
         elif layer in COLUMN:

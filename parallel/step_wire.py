@@ -39,6 +39,8 @@ class Start(msgspec.Struct, tag=True):
 
 class Blocks(msgspec.Struct, tag=True):
     num_blocks: int
+    state_slots: int = 0  # a hybrid model's state pool: slots, then snapshot rows
+    state_snapshots: int = 0
 
 
 class Step(msgspec.Struct, tag=True):
@@ -47,6 +49,8 @@ class Step(msgspec.Struct, tag=True):
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    state_slots_cpu: list[int] | None = None  # hybrid models (AttentionMetadata's)
+    state_snapshots_cpu: list[list[tuple[int, int]]] | None = None
 
 
 class ImageSpec(msgspec.Struct, array_like=True):
@@ -71,11 +75,13 @@ class Encode(msgspec.Struct, tag=True):
 class SwapOut(msgspec.Struct, tag=True):  # rank 0 swapped these blocks of a request to host memory
     request_id: str
     blocks: list[int]
+    state_slot: int | None = None  # and its recurrent state (hybrid models)
 
 
-class SwapIn(msgspec.Struct, tag=True):  # ... and back into these blocks
+class SwapIn(msgspec.Struct, tag=True):  # ... and back into these blocks (and state slot)
     request_id: str
     blocks: list[int]
+    state_slot: int | None = None
 
 
 class SwapDrop(msgspec.Struct, tag=True):  # ... or dropped its host copy
@@ -123,6 +129,7 @@ def send_step(
     header = Step(
         [TensorSpec(n, str(t.dtype), list(t.shape)) for n, t in named],
         meta.max_query_len, meta.max_seq_len, list(meta.query_lens_cpu), list(meta.seq_lens_cpu),
+        meta.state_slots_cpu, meta.state_snapshots_cpu,
     )  # fmt: skip
     for pipe in pipes:
         write(pipe, header)
@@ -148,10 +155,12 @@ def receive_step(header: Step, group: TPGroup) -> tuple[StepInputs, torch.Tensor
     meta = AttentionMetadata(
         *(got[n] for n in _META), header.max_query_len, header.max_seq_len,
         header.query_lens_cpu, header.seq_lens_cpu, pair("bidirectional"),
+        header.state_slots_cpu, header.state_snapshots_cpu,
     )  # fmt: skip
     inputs = StepInputs(
         got["ids"], got["positions"], meta, got.get("embed_rows"), got.get("embed_feats"),
         [], [], pair("from_prev"), [], [], got.get("logit_rows"), pair("block_copies"),
+        pair("state_copies"),
     )  # fmt: skip
     return inputs, got.get("prev_tokens")
 
@@ -160,7 +169,7 @@ def _named(inputs: StepInputs, prev_tokens: torch.Tensor | None) -> list[tuple[s
     out = [(n, getattr(inputs, n)) for n in _TENSORS if getattr(inputs, n) is not None]
     out += [(n, getattr(inputs.meta, n)) for n in _META]
     pairs = (("bidirectional", inputs.meta.bidirectional), ("block_copies", inputs.block_copies),
-             ("from_prev", inputs.from_prev))  # fmt: skip
+             ("from_prev", inputs.from_prev), ("state_copies", inputs.state_copies))  # fmt: skip
     for name, value in pairs:
         if value is not None:
             out += [(f"{name}.0", value[0]), (f"{name}.1", value[1])]

@@ -21,7 +21,7 @@ from mm_engine.core.model_runner import ModelRunner
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.models.platform import make_platform
 from mm_engine.parallel.group import destroy_group, init_group
-from mm_engine.parallel.ranks import kv_spec, rank_device
+from mm_engine.parallel.ranks import pool_specs, rank_device
 from mm_engine.parallel.step_wire import (
     Blocks,
     Encode,
@@ -35,6 +35,7 @@ from mm_engine.parallel.step_wire import (
 )
 from mm_engine.parallel.vision_dp import encode_share
 from mm_engine.pools.kv_cache import KVCache
+from mm_engine.pools.state_pool import StatePool
 from mm_engine.pools.swap import MirroredSwap
 from mm_engine.vision.encoder_cache import EncoderCache
 
@@ -76,19 +77,20 @@ def main() -> int:
         blocks = read(pipe)
         if not isinstance(blocks, Blocks):
             return 0
-        spec = kv_spec(config, hf_config.text_config, model.language_model, start.world)
+        spec, sspec = pool_specs(config, hf_config.text_config, model.language_model, start.world)
         kv = KVCache(spec, blocks.num_blocks, device)
-        runner = ModelRunner(model, kv, platform.backend, device, EncoderCache(1))
-        swap = MirroredSwap(kv)
+        states = StatePool(sspec, blocks.state_slots, device, blocks.state_snapshots) if sspec else None
+        runner = ModelRunner(model, kv, platform.backend, device, EncoderCache(1), states=states)
+        swap = MirroredSwap(kv, states)
         while (msg := read(pipe)) is not None:
             if isinstance(msg, Step):
                 runner.forward(*receive_step(msg, tp))
             elif isinstance(msg, Encode):
                 encode_share(msg, model, tp)
             elif isinstance(msg, SwapOut):
-                swap.swap_out(msg.request_id, msg.blocks)
+                swap.swap_out(msg.request_id, msg.blocks, msg.state_slot)
             elif isinstance(msg, SwapIn):
-                swap.swap_in(msg.request_id, msg.blocks)
+                swap.swap_in(msg.request_id, msg.blocks, msg.state_slot)
             elif isinstance(msg, SwapDrop):
                 swap.drop(msg.request_id)
             else:

@@ -21,15 +21,15 @@ def build_pools(
     config: EngineConfig,
     spec: KVCacheSpec,
     device: torch.device,
-    on_count: Callable[[int], None] | None = None,
+    on_count: Callable[[int, int, int], None] | None = None,
     state_spec: StateSpec | None = None,
 ) -> tuple[KVCache, BlockManager, StatePool | None]:
     """As many blocks of `spec` as the KV memory holds, split between the text and image pools.
     With `state_spec` (a hybrid model), the state pool comes out of the same memory first, within
     `max_state_memory_fraction` of it: a slot per sequence up to `max_num_seqs`, and rows for
     prefix-reuse snapshots (`num_state_snapshots`).
-    `on_count(blocks)` hears the count before anything is allocated (tensor-parallel workers
-    hold their heads of the same blocks)."""
+    `on_count(blocks, state slots, snapshot rows)` hears the sizes before the KV is allocated
+    (tensor-parallel workers hold their heads of the same blocks and rows)."""
     kv_bytes = kv_memory_bytes(
         config.kv_cache_memory_bytes, device, config.gpu_memory_utilization, CPU_DEFAULT_KV_BYTES
     )
@@ -53,7 +53,7 @@ def build_pools(
     if num_blocks < 2:
         raise ValueError(f"KV memory holds {num_blocks} block(s); raise kv_cache_memory_bytes")
     if on_count is not None:
-        on_count(num_blocks)
+        on_count(num_blocks, *((states.num_slots, len(states.snapshot_rows)) if states else (0, 0)))
     n_text, n_image = split_blocks(num_blocks, config.image_pool_fraction)
     kv = KVCache(spec, num_blocks, device, huge_page_empty if config.cpu_huge_pages else None)
     pools = BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image)

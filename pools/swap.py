@@ -30,8 +30,8 @@ class SwappedKV:
 class SwapMirror(Protocol):
     """Where the same swaps are repeated (tensor-parallel workers, each for its own KV heads)."""
 
-    def swap_out(self, request_id: str, blocks: list[int]) -> None: ...
-    def swap_in(self, request_id: str, blocks: list[int]) -> None: ...
+    def swap_out(self, request_id: str, blocks: list[int], state_slot: int | None = None) -> None: ...
+    def swap_in(self, request_id: str, blocks: list[int], state_slot: int | None = None) -> None: ...
     def drop(self, request_id: str) -> None: ...
 
 
@@ -83,7 +83,7 @@ class HostSwap:
         self.used_bytes += nbytes
         self.swapped_out_blocks += len(blocks)
         if self.mirror is not None:
-            self.mirror.swap_out(request_id, list(blocks))
+            self.mirror.swap_out(request_id, list(blocks), state_slot if with_state else None)
         return True
 
     def num_computed(self, request_id: str) -> int:
@@ -104,7 +104,7 @@ class HostSwap:
             layer.index_copy_(0, idx, saved.to(layer.device))
         self.swapped_in_blocks += len(blocks)
         if self.mirror is not None:
-            self.mirror.swap_in(request_id, list(blocks))
+            self.mirror.swap_in(request_id, list(blocks), state_slot if s.state is not None else None)
 
     def drop(self, request_id: str) -> None:
         s = self._store.pop(request_id, None)
@@ -115,21 +115,25 @@ class HostSwap:
 
 
 class MirroredSwap:
-    """A worker's side of `HostSwap`: the same swaps on its own KV heads, as rank 0 decides them."""
+    """A worker's side of `HostSwap`: the same swaps on its own KV heads (and share of the
+    recurrent state), as rank 0 decides them."""
 
-    def __init__(self, kv: KVCache) -> None:
-        self.kv = kv
-        self._store: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    def __init__(self, kv: KVCache, states: StatePool | None = None) -> None:
+        self.kv, self.states = kv, states
+        self._store: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]] = {}
 
-    def swap_out(self, request_id: str, blocks: list[int]) -> None:
+    def swap_out(self, request_id: str, blocks: list[int], state_slot: int | None = None) -> None:
         idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
         self._store[request_id] = (
             [layer.index_select(0, idx).to("cpu") for layer in self.kv.k],
             [layer.index_select(0, idx).to("cpu") for layer in self.kv.v],
+            self.states.save(state_slot) if state_slot is not None else None,
         )
 
-    def swap_in(self, request_id: str, blocks: list[int]) -> None:
-        k, v = self._store.pop(request_id)
+    def swap_in(self, request_id: str, blocks: list[int], state_slot: int | None = None) -> None:
+        k, v, state = self._store.pop(request_id)
+        if state is not None:
+            self.states.load(state_slot, state)
         idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k[0].device)
         for layers, saved in ((self.kv.k, k), (self.kv.v, v)):
             for layer, host in zip(layers, saved, strict=True):

@@ -29,6 +29,7 @@ from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers.decoder import DecoderLM, RMSNorm
 from mm_engine.models.layers.mlp import MLP, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
+from mm_engine.parallel.group import TPGroup
 
 LINEAR = "linear_attention"
 
@@ -91,11 +92,17 @@ class GatedNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config, ops: TorchOps = TORCH_OPS, dtype: torch.dtype = torch.float32) -> None:
+    """With `tp`, this rank's share of the key and value heads: the conv's q, k and v channels, z,
+    beta and the decay by heads (column-parallel), out_proj by its input (row-parallel)."""
+
+    def __init__(
+        self, config, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
-        self.ops = ops  # the decode step's kernel (C on the cpu backend)
-        h = config.hidden_size
-        self.key_heads, self.heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.ops, self.tp = ops, tp  # the decode step's kernel (C on the cpu backend)
+        h, world = config.hidden_size, tp.world if tp is not None else 1
+        self.key_heads = config.linear_num_key_heads // world
+        self.heads = config.linear_num_value_heads // world
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
         if self.heads % self.key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
@@ -184,22 +191,27 @@ class GatedDeltaNet(nn.Module):
         normed = self.norm(
             out.to(x.dtype).view(t * self.heads, self.value_dim), z.reshape(t * self.heads, -1)
         )
-        return self.out_proj(normed.view(t, -1))
+        out = self.out_proj(normed.view(t, -1))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GatedAttention(nn.Module):
-    """Full attention with an output gate and a partial rotary (see the module's docstring)."""
+    """Full attention with an output gate and a partial rotary (see the module's docstring). With
+    `tp`, this rank's heads: q_proj holds each head's query and gate side by side, so a split by
+    rows is a split by heads, as for k and v; o_proj row-parallel."""
 
     def __init__(
-        self, config, head_dim: int, ops: TorchOps = TORCH_OPS, dtype: torch.dtype = torch.float32
-    ) -> None:
+        self, config, head_dim: int, ops: TorchOps = TORCH_OPS, tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
         super().__init__()
-        h, bias = config.hidden_size, config.attention_bias
+        h, bias, world = config.hidden_size, config.attention_bias, tp.world if tp is not None else 1
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
+            config.num_attention_heads // world,
+            config.num_key_value_heads // world,
             head_dim,
         )
+        self.tp = tp
         self.q_proj = nn.Linear(h, self.num_heads * head_dim * 2, bias=bias, dtype=dtype)
         self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=bias, dtype=dtype)
@@ -233,21 +245,22 @@ class GatedAttention(nn.Module):
         q, k = self._rotate(q, *rope), self._rotate(k, *rope)
         backend.write_kv(k, v.reshape(t, kvh, hd), k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale).reshape(t, h * hd)
-        return self.o_proj(out * torch.sigmoid(gate))
+        out = self.o_proj(out * torch.sigmoid(gate))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, config, i: int, head_dim: int, ops: TorchOps, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config, i: int, head_dim: int, ops: TorchOps, tp: TPGroup | None, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.linear = config.layer_types[i] == LINEAR
         if self.linear:
-            self.linear_attn = GatedDeltaNet(config, ops, dtype)
+            self.linear_attn = GatedDeltaNet(config, ops, tp, dtype)
         else:
-            self.self_attn = GatedAttention(config, head_dim, ops, dtype)
+            self.self_attn = GatedAttention(config, head_dim, ops, tp, dtype)
         self.mlp = (
-            SparseMoE(config, ops, None, dtype)
-            if is_sparse(config, i)
-            else MLP(config, False, ops, None, dtype)
+            SparseMoE(config, ops, tp, dtype) if is_sparse(config, i) else MLP(config, False, ops, tp, dtype)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
@@ -280,9 +293,7 @@ class HybridLM(DecoderLM):
         self.num_kv_layers, self.num_linear_layers = counts[False], counts[True]
 
     def make_layer(self, config, i, head_dim, bias, ops, qk_norm, tp, dtype) -> nn.Module:
-        if tp is not None:
-            raise ValueError("tensor parallelism is not supported for hybrid (linear-attention) models yet")
-        return HybridLayer(config, i, head_dim, ops, dtype)
+        return HybridLayer(config, i, head_dim, ops, tp, dtype)
 
     @staticmethod
     def rotary_dim(config, head_dim: int) -> int:

@@ -233,13 +233,24 @@ def test_swap_preemption_over_the_ranks(clip_llama):
 
 
 # One family per language-model and connector path: Qwen2-VL (M-RoPE, image grids), Qwen3-VL
-# (DeepStack, q/k norms, interleaved M-RoPE), Qwen3-VL-MoE (each expert's width split), Idefics3
+# (DeepStack, q/k norms, interleaved M-RoPE), Qwen3-VL-MoE (each expert's width split), Qwen3.5-MoE
+# (linear-attention heads and their state split, gated attention, the shared expert), Idefics3
 # (padded crops with a pixel mask), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
 # (patch merger), LLaVA-OneVision (anyres packing, Qwen2's biases). Their twins share these paths:
 # Qwen2.5-VL, SmolVLM, InternVL-Qwen3, LLaVA-NeXT. LLaVA is above, Gemma 3 in
 # tests/families/test_gemma3.py.
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3", "internvl", "mistral3", "llava_onevision"]
+    "family",
+    [
+        "qwen2_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5_moe",
+        "idefics3",
+        "internvl",
+        "mistral3",
+        "llava_onevision",
+    ],
 )
 def test_the_families_split_over_two_ranks(vl_family, family):
     """TP=2 against transformers, two images in one step so that the worker encodes a share."""
@@ -253,5 +264,41 @@ def test_the_families_split_over_two_ranks(vl_family, family):
         for out, (text, imgs, n) in zip(outs, cases, strict=True):
             assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
         assert llm.engine.core.runner.encoder.images_per_rank[1] > 0
+    finally:
+        llm.close()
+
+
+def test_a_hybrid_model_over_two_ranks_through_chunks_reuse_and_swap(vl_family):
+    """Qwen3.5 at TP=2: each rank holds its heads of the recurrent state; prefill chunks continue
+    from it, a swapped request's state goes to host and back on every rank, and the repeated
+    prompts restore snapshots (copied on every rank)."""
+    path, ref = vl_family("qwen3_5")
+    cases = [
+        (family_prompt("qwen3_5", "what is this", 1), [make_image(1, (70, 45))], 9),
+        (
+            family_prompt("qwen3_5", "which is left", 2),
+            [make_image(2, (120, 100)), make_image(3, (30, 64))],
+            7,
+        ),
+        (family_prompt("qwen3_5", "how many shapes are there", 0), [], 8),
+        (family_prompt("qwen3_5", "describe the picture", 1), [make_image(4, (40, 90))], 10),
+    ] * 2
+    # A rank's share: a slot is 3 layers x (conv 128 x 3 + state 2 x 32 x 32) floats, a block one
+    # layer's K and V of one KV head; 24 blocks, 8 slots and 8 snapshot rows.
+    slot, block = 3 * (128 * 3 + 2 * 32 * 32) * 4, 2 * 8 * 1 * 32 * 4
+    total = 24 * block + 16 * slot
+    llm = LLM(
+        path, tensor_parallel_size=2, block_size=8, max_num_batched_tokens=16, preemption_mode="swap",
+        image_pool_fraction=0.3, kv_cache_memory_bytes=total, num_state_snapshots=8,
+        max_state_memory_fraction=(16 * slot + 1) / total,
+    )  # fmt: skip
+    try:
+        outs = llm.generate([mm(p, i) for p, i, _ in cases], [greedy(n + 6) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n + 6), text
+        report = llm.kv_report()
+        assert report["swap"]["swapped_in_blocks"] > 0 and report["state"]["snapshots_restored"] > 0
+        assert report["state"]["used"] == 0 and report["swap"]["host_bytes_used"] == 0
+        assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
     finally:
         llm.close()

@@ -56,3 +56,17 @@ def test_save_and_load_move_a_slot_whole():
 def test_a_pool_needs_a_slot():
     with pytest.raises(ValueError, match="at least one slot"):
         StatePool(SPEC, 0, torch.device("cpu"))
+
+
+def test_a_tensor_parallel_split_must_divide_the_linear_attention_heads():
+    from types import SimpleNamespace
+
+    from mm_engine.parallel.group import check_divisible
+
+    cfg = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, intermediate_size=64,
+                          linear_num_key_heads=2, linear_num_value_heads=6)  # fmt: skip
+    check_divisible(cfg, 2)
+    with pytest.raises(ValueError, match="does not divide the language model's linear_num_value_heads"):
+        check_divisible(SimpleNamespace(**{**vars(cfg), "linear_num_value_heads": 5}), 2)
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        check_divisible(SimpleNamespace(**{**vars(cfg), "linear_num_key_heads": 1}), 2)
