@@ -137,6 +137,22 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
             lambda a=args: cpu_linear_attention.delta_rule_step_(lib, *a),
             lambda a=args: TORCH_OPS.delta_rule_step_(*a),
         ))  # fmt: skip
+    # Quantized linears (an MLP projection of a 2048-wide model, 128-column groups): the low-bit
+    # GEMM against dequantize-then-matmul, at decode and prefill row counts.
+    from mm_engine.models.layers.quant_linear import QuantLinear, quantize
+
+    n, k = (256, 256) if quick else (5632, 2048)
+    weight = torch.randn(n, k, generator=g) * 0.02
+    for kind in ("int8", "int4"):
+        low_bit = QuantLinear(quantize(weight, kind), None, lib)
+        dequantizing = QuantLinear(quantize(weight, kind), None)
+        for rows in (1, 8) if quick else (1, 8, 256):
+            x = torch.randn(rows, k, generator=g)
+            out.append((
+                "qgemm", f"{kind}, {rows} x {k} -> {n}",
+                lambda f=low_bit, x=x: f(x),
+                lambda f=dequantizing, x=x: f(x),
+            ))  # fmt: skip
     act = torch.randn(2 if quick else 8 * 196, vision_mlp, generator=g)
     out.append((
         "gelu_tanh", f"{act.shape[0]} x {vision_mlp} (vision MLP)",

@@ -58,7 +58,11 @@ class EngineCore(OverlappedSteps):
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
         self.platform = make_platform(
-            self.device, config.attention_backend, config.cpu_kernel_variant, config.cpu_kernels
+            self.device,
+            config.attention_backend,
+            config.cpu_kernel_variant,
+            config.cpu_kernels,
+            config.quantization,
         )
         # Tensor parallelism: the workers start first, so that they load their shards meanwhile.
         self.parallel = None

@@ -25,6 +25,7 @@ KERNELS = (
     "silu_and_mul",  # silu(gate) * up in one pass, in place of two ops
     "gelu_tanh",  # tanh-GELU in place, in place of F.gelu
     "delta_rule",  # Gated DeltaNet's decode step in place in the state pool (cpu_linear_attention.c)
+    "qgemm",  # quantized linears (cpu_qgemm.c) in place of dequantize-then-matmul
 )
 # From bench.kernels_cpu on the 2-core AMD EPYC (Zen 4) development machine, which runs every
 # variant (torch held to the same ISA in each; bench/results/kernels_cpu.json is the last of three

@@ -10,6 +10,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+QUANTIZATIONS = ("bf16", "fp8", "int8", "int4")  # `quantization` on load
 
 
 def default_model_path() -> Path:
@@ -50,6 +51,10 @@ class EngineConfig:
     # $MM_ENGINE_CPU_KERNELS, else "measured" (those measured faster on the variant).
     cpu_kernels: str | None = None
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
+    # The language model's linear layers (not the vision tower, the embeddings or the LM head)
+    # rounded on load to "bf16", "fp8", "int8" or "int4" weights (weight-only; a scale per row and
+    # group of 128 inputs), computed by the CPU's low-bit GEMM (models/layers/quant_linear.py).
+    quantization: str | None = None
     # CPU: keep freed tensor memory in glibc's heap (mm_engine.pools.cpu_memory). It changes the whole
     # process's malloc, so a library caller opts in; the `mm-engine` commands turn it on.
     cpu_tune_malloc: bool = False
@@ -135,6 +140,10 @@ class EngineConfig:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(
                 f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} (or None), got {self.quantization!r}"
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")

@@ -22,6 +22,7 @@ from mm_engine.kernels.backend import AttentionBackend, get_backend, resolve_bac
 from mm_engine.kernels.cpu_kernels import CpuKernels
 from mm_engine.kernels.ops import TorchOps, ops_for
 from mm_engine.models.layers.packed_linear import pack_linears, panel_linears
+from mm_engine.models.layers.quant_linear import quantize_linears
 
 log = logging.getLogger(__name__)
 # The name a vision tower's attention goes by when the engine's ops run it (`adapt_vision_tower`).
@@ -34,6 +35,7 @@ class Platform:
     backend: AttentionBackend
     ops: TorchOps
     kernels: CpuKernels | None  # the CPU C kernels in use; None: torch everywhere
+    quantization: str | None = None  # the language model's linears rounded on load to this
 
     def info(self) -> dict:
         kernels = self.kernels
@@ -42,14 +44,32 @@ class Platform:
             "attention_backend": self.backend.name,
             "cpu_variant": kernels.variant if kernels else None,
             "cpu_kernels": sorted(kernels.enabled) if kernels else [],
+            "quantization": self.quantization,
+            "quantized_compute": self.quantized_compute(),
         }
+
+    def quantized_compute(self) -> str | None:
+        """How quantized linears compute: the CPU's low-bit GEMM, or the dequantizing reference."""
+        if self.quantization is None:
+            return None
+        return f"qgemm-{self.kernels.variant}" if self.qgemm_lib() is not None else "dequantize"
+
+    def qgemm_lib(self):
+        return self.kernels.lib if self.kernels is not None and self.kernels.uses("qgemm") else None
 
     def summary(self) -> str:
         info = self.info()
+        quant = (
+            f", quantization={info['quantization']} ({info['quantized_compute']})"
+            if self.quantization
+            else ""
+        )
         if info["cpu_variant"] is None:
-            return f"device={info['device']}, attention={info['attention_backend']}, CPU C kernels: none"
+            return (
+                f"device={info['device']}, attention={info['attention_backend']}, CPU C kernels: none{quant}"
+            )
         kernels = ",".join(info["cpu_kernels"])
-        return f"device=cpu, attention=cpu, CPU C kernels: variant={info['cpu_variant']} ({kernels})"
+        return f"device=cpu, attention=cpu, CPU C kernels: variant={info['cpu_variant']} ({kernels}){quant}"
 
 
 def make_platform(
@@ -57,6 +77,7 @@ def make_platform(
     attention_backend: str,
     cpu_variant: str | None = None,
     cpu_kernel_set: str | None = None,
+    quantization: str | None = None,
 ) -> Platform:
     """`cpu_variant` and `cpu_kernel_set`: the engine's `cpu_kernel_variant` and `cpu_kernels`
     (None: `$MM_ENGINE_CPU_VARIANT` / `$MM_ENGINE_CPU_KERNELS`, else the CPU's widest variant
@@ -67,7 +88,7 @@ def make_platform(
         if kernels is None and cpu_build.status()["errors"]:
             log.warning("no CPU C kernels: %s", cpu_build.status()["errors"])
     backend = get_backend(attention_backend, device, kernels)
-    platform = Platform(device, backend, ops_for(kernels, backend.name), kernels)
+    platform = Platform(device, backend, ops_for(kernels, backend.name), kernels, quantization)
     log.info("platform: %s", platform.summary())
     return platform
 
@@ -110,6 +131,18 @@ def _cpuinfo() -> list[str]:
             return f.read().splitlines()
     except OSError:
         return []
+
+
+def quantize_model_linears(language_model: nn.Module, platform: Platform) -> None:
+    """The language model's linears (not its head) rounded to the platform's quantization."""
+    if platform.quantization is not None:
+        count = quantize_linears(language_model, platform.quantization, platform.qgemm_lib())
+        log.info(
+            "quantization: %d linear layers as %s (%s)",
+            count,
+            platform.quantization,
+            platform.quantized_compute(),
+        )
 
 
 def pack_model_linears(model: nn.Module, language_model: nn.Module, platform: Platform) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.models.layers.moe import checkpoint_layout
-from mm_engine.models.platform import Platform, adapt_vision_tower, pack_model_linears
+from mm_engine.models.platform import Platform, adapt_vision_tower, pack_model_linears, quantize_model_linears
 from mm_engine.parallel.group import TPGroup, check_divisible
 from mm_engine.parallel.shard import shard_state
 
@@ -128,6 +128,7 @@ def ready(model, tower: nn.Module, platform: Platform, pack_weights: bool):
     with packed weights: the last step of every family's loading."""
     model = model.eval().requires_grad_(False)
     adapt_vision_tower(tower, platform)
+    quantize_model_linears(model.language_model, platform)
     if pack_weights:
         pack_model_linears(model, model.language_model, platform)
     return model

@@ -65,7 +65,11 @@ def main() -> int:
         path = resolve_model_path(config.model)
         hf_config = load_config(path)
         platform = make_platform(
-            device, config.attention_backend, config.cpu_kernel_variant, config.cpu_kernels
+            device,
+            config.attention_backend,
+            config.cpu_kernel_variant,
+            config.cpu_kernels,
+            config.quantization,
         )
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model = models.load_model(

@@ -1,0 +1,168 @@
+"""Low-bit weights on CPU (`quantization`), side by side in one run: per setting, the decode step
+at batch 1, 8 and 32 against fp32 and against the roofline of the bytes the step reads, a caption
+and a chat job, and how far the greedy output moves from fp32's.
+
+    python -m bench.quantized [--model bench-qwen2.5-vl] [--settings fp32,bf16,fp8,int8,int4]
+                              [--batch-sizes 1,8,32] [--json bench/results/quantized.json]
+
+Each setting is an engine of its own on the same checkpoint (the cpu backend, its C kernels).
+Bytes a decode step reads: every linear layer's stored weight (the quantized panels and their
+scales, the LM head's float32 panels) plus the KV of the batch, over the read bandwidth measured
+in the same run. Agreement: over the caption and chat outputs, the share of greedy tokens equal to
+fp32's at the same position, and on the chat prompts the mean log-probability the fp32 model gives
+the setting's tokens (fp32's own tokens score highest; the gap is the quality proxy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from bench import vlm
+from bench.machine import machine_info, memory_bytes_per_s
+from bench.roofline import step_seconds
+from bench.save import save_json
+from mm_engine import LLM, SamplingParams
+from mm_engine.models.layers.packed_linear import PackedLinear, PanelLinear
+from mm_engine.models.layers.quant_linear import QuantLinear
+
+
+def weight_bytes(lm: nn.Module) -> int:
+    """Bytes of every linear layer's weight as the step reads it (not the embedding table)."""
+    total = 0
+    for m in lm.modules():
+        if isinstance(m, QuantLinear):
+            p = m.panels
+            parts = (p.weights, p.scales, p.zeros) if p is not None else (m.weight_q.q, m.weight_q.scales)
+            total += sum(t.nbytes for t in parts if t is not None)
+        elif isinstance(m, PanelLinear):
+            total += m.panels.nbytes
+        elif isinstance(m, nn.Linear):
+            total += m.weight.nbytes
+        elif isinstance(m, PackedLinear):
+            total += m.in_features * m.out_features * m.dtype.itemsize
+    return total
+
+
+def text_chat(path: str, question: str) -> str:
+    """A text-only chat turn through the checkpoint's template."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": question}]
+    return AutoTokenizer.from_pretrained(path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+
+
+def jobs(llm: LLM, path: str, n: int, max_tokens: int) -> dict:
+    """A caption job (n images) and a text chat job (n questions), greedy; seconds and tokens."""
+    caption_prompt, _ = vlm.prompts_for(path)
+    caption = [
+        {"prompt": caption_prompt, "multi_modal_data": {"image": img}} for img in vlm.images(n, seed=0)
+    ]
+    chat = [text_chat(path, q) for q in (vlm.CHAT_QUESTIONS * n)[:n]]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {}
+    for name, batch in (("caption", caption), ("chat", chat)):
+        t = time.perf_counter()
+        res = llm.generate(batch, params)
+        seconds = time.perf_counter() - t
+        tokens = [list(r.outputs[0].token_ids) for r in res]
+        out[name] = {
+            "seconds": seconds,
+            "tokens": tokens,
+            "prompt_ids": [list(r.prompt_token_ids) for r in res],
+        }
+    return out
+
+
+def fp32_logprob(llm: LLM, prompt_ids: list[list[int]], outputs: list[list[int]]) -> float:
+    """Mean log-probability `llm` gives `outputs` after their prompts (teacher-forced)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    res = llm.generate(
+        [{"prompt_token_ids": p + o} for p, o in zip(prompt_ids, outputs, strict=True)], params
+    )
+    values = []
+    for r, p, o in zip(res, prompt_ids, outputs, strict=True):
+        scored = r.prompt_logprobs[len(p) : len(p) + len(o)]
+        values += [entry[tok].logprob for entry, tok in zip(scored, o, strict=True)]
+    return statistics.fmean(values)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def cell(step: dict, base: dict) -> str:
+    return f"{step['ms']:9.2f} ({base['ms'] / step['ms']:4.2f}x, {step['of_roofline']:4.0%})".rjust(30)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench-qwen2.5-vl")
+    ap.add_argument("--settings", default="fp32,bf16,fp8,int8,int4")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size (median)")
+    ap.add_argument("--jobs", type=int, default=4, help="images and questions in the caption and chat jobs")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = vlm.resolve_model(args.model)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    bandwidth = memory_bytes_per_s()
+    rows, fp32 = [], None
+    for setting in args.settings.split(","):
+        llm = LLM(path, attention_backend="cpu", quantization=None if setting == "fp32" else setting,
+                  max_num_seqs=max(batches), kv_cache_memory_bytes=2 * 1024**3)  # fmt: skip
+        core = llm.engine.core
+        wbytes = weight_bytes(core.model.language_model)
+        kv_token = core.kv.spec.bytes_per_block // core.kv.spec.block_size
+        steps = {}
+        for b in batches:
+            med = statistics.median(step_seconds(llm, b, args.context, args.steps, seed=b))
+            bound = (wbytes + b * (args.context + 1) * kv_token) / bandwidth
+            steps[b] = {"ms": med * 1e3, "roofline_ms": bound * 1e3, "of_roofline": bound / med}
+        done = jobs(llm, path, args.jobs, args.max_tokens)
+        row = {"setting": setting, "weight_bytes": wbytes, "compute": core.platform.quantized_compute(),
+               "steps": steps, "caption_s": done["caption"]["seconds"],
+               "chat_s": done["chat"]["seconds"]}  # fmt: skip
+        if fp32 is None:
+            fp32 = (llm, done)
+        else:
+            ref_llm, ref = fp32
+            tokens = [done[j]["tokens"] for j in ("caption", "chat")]
+            row["agreement"] = agreement(sum(tokens, []), ref["caption"]["tokens"] + ref["chat"]["tokens"])
+            row["fp32_logprob"] = fp32_logprob(ref_llm, ref["chat"]["prompt_ids"], done["chat"]["tokens"])
+        rows.append(row)
+        if llm is not fp32[0]:
+            llm.close()
+    rows[0]["agreement"] = 1.0
+    rows[0]["fp32_logprob"] = fp32_logprob(fp32[0], fp32[1]["chat"]["prompt_ids"], fp32[1]["chat"]["tokens"])
+    base = rows[0]
+    print(
+        f"{machine_info()['cpu']}, {args.threads} threads, "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.model}"
+    )
+    head = " ".join(f"{'b=' + str(b) + ' ms (x fp32, of roofline)':>30}" for b in batches)
+    print(f"{'setting':8} {'weights MB':>10} {head} {'caption':>9} {'chat':>9} {'agree':>6} {'logprob':>8}")
+    for r in rows:
+        cells = " ".join(cell(r["steps"][b], base["steps"][b]) for b in batches)
+        cap, chat = base["caption_s"] / r["caption_s"], base["chat_s"] / r["chat_s"]
+        print(f"{r['setting']:8} {r['weight_bytes'] / 1e6:10.1f} {cells} {cap:8.2f}x {chat:8.2f}x "
+              f"{r['agreement']:6.1%} {r['fp32_logprob']:8.3f}")  # fmt: skip
+    result = {"machine": machine_info(), "args": vars(args), "bandwidth_bytes_per_s": bandwidth, "rows": rows}
+    if args.json:
+        save_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

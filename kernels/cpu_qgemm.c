@@ -1,0 +1,208 @@
+/* y = x W^T + b with W stored in fewer bits than float32: bf16, fp8 (e4m3), int8 or unsigned int4
+ * with a float scale (and optionally a zero point) per output column and group of K. A decode step
+ * streams every weight once, so reading 2, 1 or 0.5 bytes a weight instead of 4 is the speed-up;
+ * the weights become floats in registers, never in memory, and every sum is float32.
+ *
+ * Layout: the panels of cpu_gemm.c (NR output columns each, [panels][K][NR] elements, N padded with
+ * zero columns), one element per weight, except int4: two k share a byte, [panels][K / 2][NR], k
+ * even in the low nibble, k odd in the high one. Scales and zero points: [panels][K / group][NR]
+ * floats. A weight is (q - zero) * scale: for int8 and fp8 the zero is 0, for int4 it is 8
+ * (symmetric) unless `zeros` gives one per column and group.
+ *
+ * Two paths, chosen by the number of rows: up to DIRECT_ROWS, each strip of rows converts the
+ * weights in its register tile as it goes (the weights are read once, at their stored size); past
+ * it, each thread converts one panel at a time into a float32 scratch panel and runs the float32
+ * GEMM of cpu_gemm.c on it, so a prefill chunk pays the conversion once per panel, not once per
+ * strip, and never holds the whole float32 matrix.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu_simd.h"
+
+#if WIDE_REGISTERS
+#define QNV 3
+#define QMR 8
+#else
+#define QNV 2
+#define QMR 6
+#endif
+#define QNR (QNV * LANES) /* equal to cpu_gemm.c's panel width */
+#define DIRECT_ROWS 8
+
+enum { W_BF16 = 1, W_FP8 = 2, W_INT8 = 3, W_UINT4 = 4 };
+
+typedef uint32_t u32vec __attribute__((vector_size(MM_VEC_BYTES)));
+
+int gemm_panels(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int threads);
+
+/* LANES bytes (or 16-bit values) widened to 32-bit lanes: one instruction each with AVX2 and
+ * AVX-512 (GCC turns `__builtin_convertvector` of narrow integers into scalar code there). */
+#if MM_VEC_BYTES == 64
+#include <immintrin.h>
+static inline ivec widen_i8(const uint8_t *p) { return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline ivec widen_u8(const uint8_t *p) { return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline ivec widen_u16(const uint8_t *p) { return (ivec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+#elif MM_VEC_BYTES == 32
+#include <immintrin.h>
+static inline ivec widen_i8(const uint8_t *p) { return (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline ivec widen_u8(const uint8_t *p) { return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline ivec widen_u16(const uint8_t *p) { return (ivec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#else
+typedef int8_t i8vec __attribute__((vector_size(LANES)));
+typedef uint8_t u8vec __attribute__((vector_size(LANES)));
+typedef uint16_t u16vec __attribute__((vector_size(2 * LANES)));
+static inline ivec widen_i8(const uint8_t *p) { i8vec v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, ivec); }
+static inline ivec widen_u8(const uint8_t *p) { u8vec v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, ivec); }
+static inline ivec widen_u16(const uint8_t *p) { u16vec v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, ivec); }
+#endif
+
+static inline vec from_bf16(const uint8_t *p) { return (vec)(widen_u16(p) << 16); }
+
+/* e4m3: the exponent and mantissa bits moved to float32's places make 2^(e - 127) (1 + m / 8),
+ * or for e = 0 the float32 denormal m 2^-149 x 2^20; times 2^120 both become the fp8 value. */
+static inline vec from_fp8(const uint8_t *p) {
+    const u32vec u = (u32vec)widen_u8(p);
+    const vec magnitude = (vec)((u & 0x7F) << 20) * 0x1p120f;
+    return (vec)((u32vec)magnitude | ((u & 0x80) << 24));
+}
+
+static inline vec from_int8(const uint8_t *p) { return __builtin_convertvector(widen_i8(p), vec); }
+
+static inline ivec bytes(const uint8_t *p) { return widen_u8(p); } /* int4 pairs, one byte a lane */
+static inline vec low_nibbles(ivec v) { return __builtin_convertvector(v & 15, vec); }
+static inline vec high_nibbles(ivec v) { return __builtin_convertvector(v >> 4, vec); }
+
+/* R rows x NR columns, the direct path: `w` one panel's packed weights for all of K, `s` and `z`
+ * its scales and zero points (z NULL: the constant `zero`), `group` K per scale. */
+#define QTILE(NAME, R, kind)                                                                             \
+    static __attribute__((noinline)) void NAME(const float *x, int64_t ldx, const uint8_t *w,            \
+                                               const float *s, const float *z, float zero, int K,        \
+                                               int group, const float *init, float *y, int64_t ldy,      \
+                                               int ncols) {                                              \
+        vec a[R][QNV];                                                                                   \
+        for (int r = 0; r < R; r++)                                                                      \
+            for (int c = 0; c < QNV; c++) a[r][c] = init ? load(init + c * LANES) : (vec){};             \
+        const int esize = kind == W_BF16 ? 2 : 1;                                                        \
+        for (int g0 = 0; g0 < K; g0 += group) {                                                          \
+            const int g1 = g0 + group < K ? g0 + group : K;                                              \
+            vec sc[QNV], zc[QNV];                                                                        \
+            for (int c = 0; c < QNV; c++) {                                                              \
+                sc[c] = s ? load(s + c * LANES) : splat(1.f);                                            \
+                zc[c] = z ? load(z + c * LANES) : splat(zero);                                           \
+            }                                                                                            \
+            if (s) s += QNR;                                                                             \
+            if (z) z += QNR;                                                                             \
+            for (int k = g0; k < g1; k += kind == W_UINT4 ? 2 : 1) {                                     \
+                vec wk[2][QNV];                                                                          \
+                const int pair = kind == W_UINT4;                                                        \
+                for (int c = 0; c < QNV; c++) {                                                          \
+                    if (kind == W_UINT4) {                                                               \
+                        const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);                   \
+                        wk[0][c] = (low_nibbles(b) - zc[c]) * sc[c];                                     \
+                        wk[1][c] = (high_nibbles(b) - zc[c]) * sc[c];                                    \
+                    } else {                                                                             \
+                        const uint8_t *p = w + ((int64_t)k * QNR + c * LANES) * esize;                   \
+                        const vec q = kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p)        \
+                                                                                   : from_int8(p);       \
+                        wk[0][c] = (q - zc[c]) * sc[c];                                                  \
+                    }                                                                                    \
+                }                                                                                        \
+                for (int j = 0; j <= pair; j++)                                                          \
+                    for (int r = 0; r < R; r++) {                                                        \
+                        const vec xr = splat(x[r * ldx + k + j]);                                        \
+                        for (int c = 0; c < QNV; c++) a[r][c] += xr * wk[j][c];                          \
+                    }                                                                                    \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) {                                                                    \
+            float row[QNR];                                                                              \
+            for (int c = 0; c < QNV; c++) store(row + c * LANES, a[r][c]);                               \
+            memcpy(y + r * ldy, row, sizeof(float) * ncols);                                             \
+        }                                                                                                \
+    }
+#define QTILES_OF(KIND, P)                                                                               \
+    QTILE(P##1, 1, KIND) QTILE(P##2, 2, KIND) QTILE(P##3, 3, KIND) QTILE(P##4, 4, KIND) QTILE(P##5, 5, KIND)  \
+    QTILE(P##6, 6, KIND) QTILE(P##7, 7, KIND) QTILE(P##8, 8, KIND)
+QTILES_OF(W_BF16, bf16_tile)
+QTILES_OF(W_FP8, fp8_tile)
+QTILES_OF(W_INT8, int8_tile)
+QTILES_OF(W_UINT4, uint4_tile)
+typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, const float *, const float *, float, int, int,
+                         const float *, float *, int64_t, int);
+/* [kind][rows]: a register tile for each weight kind and strip height (at most QMR rows). */
+static const qtile_fn QTILES[5][9] = {
+    {0},
+    {0, bf16_tile1, bf16_tile2, bf16_tile3, bf16_tile4, bf16_tile5, bf16_tile6, bf16_tile7, bf16_tile8},
+    {0, fp8_tile1, fp8_tile2, fp8_tile3, fp8_tile4, fp8_tile5, fp8_tile6, fp8_tile7, fp8_tile8},
+    {0, int8_tile1, int8_tile2, int8_tile3, int8_tile4, int8_tile5, int8_tile6, int8_tile7, int8_tile8},
+    {0, uint4_tile1, uint4_tile2, uint4_tile3, uint4_tile4, uint4_tile5, uint4_tile6, uint4_tile7, uint4_tile8},
+};
+
+/* One panel's weights as float32, [K][NR], into `out`. */
+static void dequantize_panel(const uint8_t *w, int kind, const float *s, const float *z, float zero, int K,
+                             int group, float *out) {
+    for (int k = 0; k < K; k++) {
+        const int g = k / group;
+        for (int c = 0; c < QNV; c++) {
+            const vec sc = s ? load(s + g * QNR + c * LANES) : splat(1.f);
+            const vec zc = z ? load(z + g * QNR + c * LANES) : splat(zero);
+            vec q;
+            if (kind == W_UINT4) {
+                const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);
+                q = k % 2 ? high_nibbles(b) : low_nibbles(b);
+            } else if (kind == W_BF16) {
+                q = from_bf16(w + ((int64_t)k * QNR + c * LANES) * 2);
+            } else if (kind == W_FP8) {
+                q = from_fp8(w + (int64_t)k * QNR + c * LANES);
+            } else {
+                q = from_int8(w + (int64_t)k * QNR + c * LANES);
+            }
+            store(out + (int64_t)k * QNR + c * LANES, (q - zc) * sc);
+        }
+    }
+}
+
+int qgemm_panel_width(void) { return QNR; }
+
+/* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) W^T + bias, W packed as above; `scales`
+ * NULL for bf16 and fp8 without scales, `zeros` NULL for the kind's constant zero, `bias` (padded
+ * to whole panels) may be NULL. Returns 0, or -1 where a scratch panel cannot be allocated. */
+int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, const float *scales,
+                 const float *zeros, int group, const float *bias, float *y, int64_t ldy, int M, int N, int K,
+                 int threads) {
+    const int n_panels = (N + QNR - 1) / QNR, groups = (K + group - 1) / group;
+    const int64_t panel_bytes = (int64_t)K * QNR * (kind == W_BF16 ? 2 : 1) / (kind == W_UINT4 ? 2 : 1);
+    const float zero = kind == W_UINT4 ? 8.f : 0.f;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int64_t)n_panels * t / nt, p1 = (int64_t)n_panels * (t + 1) / nt;
+        float *scratch = NULL;
+        if (M > DIRECT_ROWS && p1 > p0) {
+            scratch = aligned_alloc(64, sizeof(float) * (size_t)K * QNR);
+            failed = scratch == NULL;
+        }
+        for (int p = p0; p < p1 && !failed; p++) {
+            const int ncols = N - p * QNR < QNR ? N - p * QNR : QNR;
+            const uint8_t *w = panels + p * panel_bytes;
+            const float *s = scales ? scales + (int64_t)p * groups * QNR : NULL;
+            const float *z = zeros ? zeros + (int64_t)p * groups * QNR : NULL;
+            const float *b = bias ? bias + p * QNR : NULL;
+            if (scratch) {
+                dequantize_panel(w, kind, s, z, zero, K, group, scratch);
+                gemm_panels(x, ldx, scratch, b, y + p * QNR, ldy, M, ncols, K, 1);
+                continue;
+            }
+            for (int m = 0, strips = (M + QMR - 1) / QMR, i = 0; i < strips; i++) {
+                const int r = M * (i + 1) / strips - M * i / strips;
+                QTILES[kind][r](x + m * ldx, ldx, w, s, z, zero, K, group, b, y + m * ldy + p * QNR, ldy, ncols);
+                m += r;
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

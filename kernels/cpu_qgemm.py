@@ -1,0 +1,88 @@
+"""The low-bit GEMM (`cpu_qgemm.c`): y = x W^T + b with W in bf16, fp8 (e4m3), int8 or packed
+unsigned int4, a float scale (and zero point) per output column and group of K, called via ctypes.
+
+`pack` lays a quantized weight out in the kernel's panels once, at load time; `qgemm` runs it.
+Both take the plain per-row form models/layers/quant_linear.py keeps: `q` `[N, K]` (the stored
+values, int4 as 0..15 in uint8), `scales` and `zeros` `[N, K / group]`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+KINDS = {"bf16": 1, "fp8": 2, "int8": 3, "int4": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class QPanels:
+    kind: str
+    weights: torch.Tensor  # uint8, the panels' bytes
+    scales: torch.Tensor | None  # float32 [panels, K / group, width]
+    zeros: torch.Tensor | None
+    group: int
+    n: int
+    k: int
+
+
+def panel_width(lib: ctypes.CDLL) -> int:
+    return lib.qgemm_panel_width()
+
+
+def _panels(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`[N, C]` -> `[ceil(N / width), C, width]`, zero rows past N."""
+    n, cols = x.shape
+    padded = x.new_zeros(-(-n // width) * width, cols)
+    padded[:n] = x
+    return padded.view(-1, width, cols).transpose(1, 2).contiguous()
+
+
+def pack(
+    kind: str,
+    q: torch.Tensor,
+    scales: torch.Tensor | None,
+    zeros: torch.Tensor | None,
+    group: int,
+    width: int,
+) -> QPanels:
+    """`q` `[N, K]`: bf16 or float8_e4m3fn values, int8, or int4 values 0..15 in uint8 (K even)."""
+    n, k = q.shape
+    if kind == "int4":
+        if k % 2 or group % 2:
+            raise ValueError(f"int4 panels need an even K and group, got K={k}, group={group}")
+        low, high = q[:, 0::2].to(torch.uint8), q[:, 1::2].to(torch.uint8)
+        weights = _panels(low | (high << 4), width)  # [panels, K / 2, width]: k even in the low nibble
+    elif kind == "bf16":  # each weight's two bytes together: [panels, K, width] of 16 bits
+        weights = _panels(q.contiguous().view(torch.int16), width).view(torch.uint8)
+    else:
+        weights = _panels(q.contiguous().view(torch.uint8), width)
+    pack_groups = lambda t: None if t is None else _panels(t.float(), width)  # noqa: E731
+    return QPanels(kind, weights, pack_groups(scales), pack_groups(zeros), group, n, k)
+
+
+def qgemm(lib: ctypes.CDLL, rows: torch.Tensor, panels: QPanels, bias: torch.Tensor | None) -> torch.Tensor:
+    """`rows` `[M, K]` (float32, unit column stride) times the packed weight, plus `bias` (padded
+    to whole panels, or None): `[M, N]`, contiguous."""
+    out = rows.new_empty((rows.shape[0], panels.n))
+    if rows.shape[0]:
+        status = lib.qgemm_panels(
+            rows.data_ptr(),
+            rows.stride(0),
+            panels.weights.data_ptr(),
+            KINDS[panels.kind],
+            None if panels.scales is None else panels.scales.data_ptr(),
+            None if panels.zeros is None else panels.zeros.data_ptr(),
+            panels.group,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            panels.n,
+            rows.shape[0],
+            panels.n,
+            panels.k,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("the low-bit GEMM could not allocate its scratch panel")
+    return out

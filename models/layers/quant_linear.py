@@ -1,0 +1,138 @@
+"""Linear layers with low-bit weights: the language model's projections quantized on load
+(`quantization`: bf16, fp8, int8 or int4, weight-only), computed without a float32 copy of the
+weight on CPU.
+
+A weight is stored as `q` `[N, K]` with a float32 scale per output row and group of `group`
+columns of K (and for int4 a zero point): w = (q - zero) * scale. int8 and int4 are symmetric
+(zero 0, and 8 for int4's unsigned 0..15), scaled to each group's largest magnitude; fp8 is e4m3
+scaled so that each group's largest magnitude is 448; bf16 keeps no scale. Groups are 128 columns
+where K allows (64, 32, else the whole row), so a tensor-parallel shard of K along group
+boundaries quantizes exactly as the whole.
+
+On CPU with the `qgemm` kernel, `QuantLinear` packs the weight once into the kernel's panels
+(kernels/cpu_qgemm.py) and keeps nothing else; elsewhere it keeps `q` and multiplies by the
+dequantized weight (the reference: every call rebuilds the float matrix).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mm_engine.config import QUANTIZATIONS
+from mm_engine.kernels import cpu_qgemm
+
+GROUPS = (128, 64, 32)
+_RANGE = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    kind: str
+    q: torch.Tensor  # [N, K]: bfloat16, float8_e4m3fn, int8, or uint8 (int4 values 0..15)
+    scales: torch.Tensor | None  # float32 [N, K / group]; None for bf16
+    zeros: torch.Tensor | None  # float32 [N, K / group]; None: the kind's own (8 for int4, else 0)
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 `[N, K]`."""
+        values = self.q.float()
+        if self.scales is None:
+            return values
+        n, k = values.shape
+        values = values.view(n, k // self.group, self.group)
+        zero = self.zeros[..., None] if self.zeros is not None else 8.0 if self.kind == "int4" else 0.0
+        return ((values - zero) * self.scales[..., None]).view(n, k)
+
+
+def group_size(k: int) -> int:
+    return next((g for g in GROUPS if k % g == 0), k)
+
+
+def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    """Round a float weight `[N, K]` to `kind`, one scale per row and group (module docstring)."""
+    if kind not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+    w = weight.detach().float()
+    n, k = w.shape
+    if kind == "bf16":
+        return QuantizedWeight(kind, w.to(torch.bfloat16), None, None, k)
+    group = group_size(k)
+    if kind == "int4" and group % 2:
+        raise ValueError(f"int4 needs an even number of input features, got {k}")
+    blocks = w.view(n, k // group, group)
+    scales = blocks.abs().amax(-1) / _RANGE[kind]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group stays zero
+    scaled = blocks / scales[..., None]
+    if kind == "fp8":
+        q = scaled.to(torch.float8_e4m3fn)
+    elif kind == "int8":
+        q = scaled.round().clamp(-127, 127).to(torch.int8)
+    else:
+        q = (scaled.round().clamp(-8, 7) + 8).to(torch.uint8)
+    return QuantizedWeight(kind, q.view(n, k), scales, None, group)
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear` for inference with a low-bit weight (module docstring). `lib`: the CPU kernels'
+    library when its `qgemm` runs here; None: the dequantizing reference."""
+
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: ctypes.CDLL | None = None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.q.shape
+        self.kind, self.lib = weight.kind, lib
+        self.weight_q: QuantizedWeight | None = None
+        self.panels: cpu_qgemm.QPanels | None = None
+        self.bias = None if bias is None else bias.detach()
+        if lib is None:
+            self.weight_q = weight
+            return
+        width = cpu_qgemm.panel_width(lib)
+        self.panels = cpu_qgemm.pack(weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width)
+        if self.bias is not None:
+            padded = self.bias.new_zeros(-(-self.out_features // width) * width).float()
+            padded[: self.out_features] = self.bias
+            self.bias = padded
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str, lib: ctypes.CDLL | None = None) -> QuantLinear:
+        return cls(quantize(linear.weight, kind), linear.bias, lib)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is None:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight_q.dequantize().to(x.dtype), bias)
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"QuantLinear's CPU kernel takes float32 CPU input, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = cpu_qgemm.qgemm(self.lib, rows, self.panels, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        path = "cpu kernel" if self.panels is not None else "dequantize"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, {path}"
+
+
+def quantize_linears(
+    module: nn.Module, kind: str, lib: ctypes.CDLL | None, skip: tuple[str, ...] = ("lm_head",)
+) -> int:
+    """Replace every `nn.Linear` under `module` (but those named in `skip`) with a `QuantLinear`
+    of `kind`; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if name in skip:
+            continue
+        if isinstance(child, nn.Linear):
+            setattr(module, name, QuantLinear.from_linear(child, kind, lib))
+            count += 1
+        else:
+            count += quantize_linears(child, kind, lib, skip)
+    return count

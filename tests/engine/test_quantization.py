@@ -1,0 +1,93 @@
+"""`quantization` on load (models/layers/quant_linear.py): the engine with its language model's
+linears rounded to bf16, fp8, int8 or int4 gives transformers' greedy tokens when transformers
+runs the same checkpoint with those linears replaced by the dequantized weights, on the cpu
+backend (the low-bit GEMM), the torch backend and Triton (the dequantizing reference), in mixed
+batches with images; the vision tower and the LM head stay as they were; a bad setting is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers.families import family_prompt, run_batch_against
+from helpers.images import make_image
+from helpers.reference import FamilyReference
+from mm_engine import LLM
+from mm_engine.models.layers.quant_linear import QuantLinear, quantize
+
+
+def cases(family: str) -> list:
+    return [
+        (family_prompt(family, "what is this", 1), [make_image(1, (70, 45))], 8),
+        (family_prompt(family, "which is left", 2), [make_image(2, (120, 100)), make_image(3, (30, 64))], 6),
+        (family_prompt(family, "how many shapes are there", 0), [], 8),
+    ]
+
+
+def quantized_reference(path: str, kind: str) -> FamilyReference:
+    """transformers with every linear layer of the language model (not the head) replaced by its
+    dequantized `kind` weight: what the engine computes, summed in another order."""
+    ref = FamilyReference(path)
+    lm = ref.model.model.language_model
+    with torch.no_grad():
+        for module in lm.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(quantize(module.weight, kind).dequantize())
+    return ref
+
+
+@pytest.fixture(scope="module")
+def references(vl_family):
+    built = {}
+
+    def get(family: str, kind: str):
+        if (family, kind) not in built:
+            path, _ = vl_family(family)
+            built[family, kind] = (path, quantized_reference(path, kind))
+        return built[family, kind]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "backend"),
+    [
+        ("qwen3_5", "int4", "cpu"),
+        ("qwen3_5", "int8", "cpu"),
+        ("qwen3_5", "fp8", "cpu"),
+        ("qwen3_5", "bf16", "cpu"),
+        ("qwen3_5", "int4", "torch"),
+        ("qwen3_5", "int8", "triton"),
+        ("qwen2_vl", "int4", "cpu"),  # biases on q, k and v
+        ("qwen2_vl", "int8", "torch"),
+    ],
+)
+def test_quantized_tokens_equal_transformers_on_the_dequantized_weights(
+    vl_family, references, family, kind, backend
+):
+    path, ref = references(family, kind)
+    outs = run_batch_against(ref, path, backend, cases(family), quantization=kind)
+    if kind == "int4":  # the rounding shows: the full-precision model says something else
+        _, full = vl_family(family)
+        plain = [full.generate(text, imgs, n) for text, imgs, n in cases(family)]
+        assert [o.outputs[0].token_ids for o in outs] != plain
+
+
+def test_only_the_language_models_linears_are_quantized_and_the_platform_says_how(vl_family):
+    path, _ = vl_family("qwen2_vl")
+    llm = LLM(path, attention_backend="cpu", quantization="int4", kv_cache_memory_bytes=4 * 1024**2)
+    model = llm.engine.core.model
+    lm = model.language_model
+    quantized = [m for m in lm.modules() if isinstance(m, QuantLinear)]
+    assert quantized and all(m.panels is not None and m.kind == "int4" for m in quantized)  # the C kernel
+    assert not isinstance(lm.lm_head, QuantLinear)
+    assert not any(isinstance(m, QuantLinear) for m in model.visual.modules())
+    info = llm.engine.core.platform.info()
+    assert info["quantization"] == "int4" and info["quantized_compute"].startswith("qgemm-")
+
+
+def test_a_bad_quantization_is_refused_by_name(vl_family):
+    path, _ = vl_family("qwen2_vl")
+    with pytest.raises(ValueError, match="quantization must be one of .*'int3'"):
+        LLM(path, quantization="int3")
