@@ -75,6 +75,9 @@ class PlatformInfo(Struct):
     attention_backend: str  # "cpu", "torch" or "triton"
     cpu_variant: str | None  # the C kernels' ISA variant ("avx512", "avx2", "portable"), or None
     cpu_kernels: list[str]  # the C kernels in use
+    quantization: str | None = None  # the language model's linears rounded on load ("int4", ...)
+    quantized_lm_head: bool = False
+    quantized_compute: str | None = None  # "qgemm-<variant>" (the CPU's low-bit GEMM) or "dequantize"
 
 
 class HealthResponse(Struct):

@@ -30,7 +30,7 @@ from mm_engine.core.sampler import Sampler
 from mm_engine.core.structured_output import Grammars, GrammarWaitlist
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.models.loader import load_config, resolve_model_path
-from mm_engine.models.platform import make_platform
+from mm_engine.models.platform import platform_for
 from mm_engine.parallel.executor import TensorParallel
 from mm_engine.parallel.ranks import pool_specs, rank_device, rank_threads
 from mm_engine.parallel.vision_dp import DataParallelEncoder
@@ -57,13 +57,7 @@ class EngineCore(OverlappedSteps):
             tune_malloc()
         path = resolve_model_path(config.model)
         self.hf_config = load_config(path)
-        self.platform = make_platform(
-            self.device,
-            config.attention_backend,
-            config.cpu_kernel_variant,
-            config.cpu_kernels,
-            config.quantization,
-        )
+        self.platform = platform_for(config, self.device)
         # Tensor parallelism: the workers start first, so that they load their shards meanwhile.
         self.parallel = None
         if config.parallel:

@@ -7,7 +7,7 @@
  * zero columns), one element per weight, except int4: two k share a byte, [panels][K / 2][NR], k
  * even in the low nibble, k odd in the high one. Scales and zero points: [panels][K / group][NR]
  * floats. A weight is (q - zero) * scale: for int8 and fp8 the zero is 0, for int4 it is 8
- * (symmetric) unless `zeros` gives one per column and group.
+ * (symmetric) unless `zeros` gives one per column and group (int4 only).
  *
  * Two paths, chosen by the number of rows: up to DIRECT_ROWS, each strip of rows converts the
  * weights in its register tile as it goes (the weights are read once, at their stored size); past
@@ -70,51 +70,70 @@ static inline vec from_fp8(const uint8_t *p) {
 
 static inline vec from_int8(const uint8_t *p) { return __builtin_convertvector(widen_i8(p), vec); }
 
-static inline ivec bytes(const uint8_t *p) { return widen_u8(p); } /* int4 pairs, one byte a lane */
-static inline vec low_nibbles(ivec v) { return __builtin_convertvector(v & 15, vec); }
-static inline vec high_nibbles(ivec v) { return __builtin_convertvector(v >> 4, vec); }
+/* int4 pairs, one byte a lane, as signed values (q - 8): a symmetric weight is then q * scale, and
+ * a given zero point z enters as z - 8. */
+static inline ivec bytes(const uint8_t *p) { return widen_u8(p); }
+static inline vec low_nibbles(ivec v) { return __builtin_convertvector((v & 15) - 8, vec); }
+static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4) - 8, vec); }
+
+/* Up to this many rows a tile sums each group's products unscaled and scales the sum once (one
+ * accumulator set more: 4 rows x 3 vectors fit AVX-512's 32 registers twice, 2 x 2 AVX2's 16). */
+#define GROUPED_ROWS (WIDE_REGISTERS ? 4 : 2)
 
 /* R rows x NR columns, the direct path: `w` one panel's packed weights for all of K, `s` and `z`
- * its scales and zero points (z NULL: the constant `zero`), `group` K per scale. */
+ * its scales and zero points (z: int4 only, NULL for symmetric), `group` K per scale. */
 #define QTILE(NAME, R, kind)                                                                             \
     static __attribute__((noinline)) void NAME(const float *x, int64_t ldx, const uint8_t *w,            \
-                                               const float *s, const float *z, float zero, int K,        \
-                                               int group, const float *init, float *y, int64_t ldy,      \
-                                               int ncols) {                                              \
+                                               const float *s, const float *z, int K, int group,         \
+                                               const float *init, float *y, int64_t ldy, int ncols) {    \
+        enum { GROUPED = kind != W_BF16 && R <= GROUPED_ROWS, STEP = kind == W_UINT4 ? 2 : 1 };           \
+        const int esize = kind == W_BF16 ? 2 : 1;                                                        \
         vec a[R][QNV];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
             for (int c = 0; c < QNV; c++) a[r][c] = init ? load(init + c * LANES) : (vec){};             \
-        const int esize = kind == W_BF16 ? 2 : 1;                                                        \
         for (int g0 = 0; g0 < K; g0 += group) {                                                          \
             const int g1 = g0 + group < K ? g0 + group : K;                                              \
-            vec sc[QNV], zc[QNV];                                                                        \
+            vec sc[QNV], zc[QNV], acc[R][QNV];                                             \
+            float xs[R];                                                                                 \
             for (int c = 0; c < QNV; c++) {                                                              \
                 sc[c] = s ? load(s + c * LANES) : splat(1.f);                                            \
-                zc[c] = z ? load(z + c * LANES) : splat(zero);                                           \
+                zc[c] = z ? load(z + c * LANES) - 8.f : (vec){};                                         \
             }                                                                                            \
             if (s) s += QNR;                                                                             \
             if (z) z += QNR;                                                                             \
-            for (int k = g0; k < g1; k += kind == W_UINT4 ? 2 : 1) {                                     \
-                vec wk[2][QNV];                                                                          \
-                const int pair = kind == W_UINT4;                                                        \
+            for (int r = 0; r < R; r++) {                                                                \
+                xs[r] = 0.f;                                                                             \
+                for (int k = g0; z && GROUPED && k < g1; k++) xs[r] += x[r * ldx + k];                    \
+                for (int c = 0; GROUPED && c < QNV; c++) acc[r][c] = (vec){}; \
+            }                                                                                            \
+            for (int k = g0; k < g1; k += STEP) {                                                        \
+                vec q[STEP][QNV];                                                                        \
                 for (int c = 0; c < QNV; c++) {                                                          \
                     if (kind == W_UINT4) {                                                               \
                         const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);                   \
-                        wk[0][c] = (low_nibbles(b) - zc[c]) * sc[c];                                     \
-                        wk[1][c] = (high_nibbles(b) - zc[c]) * sc[c];                                    \
+                        q[0][c] = low_nibbles(b);                                                        \
+                        q[STEP - 1][c] = high_nibbles(b);                                                \
                     } else {                                                                             \
                         const uint8_t *p = w + ((int64_t)k * QNR + c * LANES) * esize;                   \
-                        const vec q = kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p)        \
-                                                                                   : from_int8(p);       \
-                        wk[0][c] = (q - zc[c]) * sc[c];                                                  \
+                        q[0][c] = kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p) : from_int8(p); \
                     }                                                                                    \
+                    for (int j = 0; !GROUPED && kind != W_BF16 && j < STEP; j++)                         \
+                        q[j][c] = z ? (q[j][c] - zc[c]) * sc[c] : q[j][c] * sc[c];                        \
                 }                                                                                        \
-                for (int j = 0; j <= pair; j++)                                                          \
+                for (int j = 0; j < STEP; j++)                                                           \
                     for (int r = 0; r < R; r++) {                                                        \
                         const vec xr = splat(x[r * ldx + k + j]);                                        \
-                        for (int c = 0; c < QNV; c++) a[r][c] += xr * wk[j][c];                          \
+                        for (int c = 0; c < QNV; c++) {                                                  \
+                            if (GROUPED) acc[r][c] += xr * q[j][c];          \
+                            else a[r][c] += xr * q[j][c];                                                \
+                        }                                                                                \
                     }                                                                                    \
             }                                                                                            \
+            for (int r = 0; GROUPED && r < R; r++)                                                       \
+                for (int c = 0; c < QNV; c++) {                                                          \
+                    const vec sum = acc[r][c];                               \
+                    a[r][c] += (z ? sum - zc[c] * xs[r] : sum) * sc[c];                                  \
+                }                                                                                        \
         }                                                                                                \
         for (int r = 0; r < R; r++) {                                                                    \
             float row[QNR];                                                                              \
@@ -129,7 +148,7 @@ QTILES_OF(W_BF16, bf16_tile)
 QTILES_OF(W_FP8, fp8_tile)
 QTILES_OF(W_INT8, int8_tile)
 QTILES_OF(W_UINT4, uint4_tile)
-typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, const float *, const float *, float, int, int,
+typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, const float *, const float *, int, int,
                          const float *, float *, int64_t, int);
 /* [kind][rows]: a register tile for each weight kind and strip height (at most QMR rows). */
 static const qtile_fn QTILES[5][9] = {
@@ -141,13 +160,13 @@ static const qtile_fn QTILES[5][9] = {
 };
 
 /* One panel's weights as float32, [K][NR], into `out`. */
-static void dequantize_panel(const uint8_t *w, int kind, const float *s, const float *z, float zero, int K,
-                             int group, float *out) {
+static void dequantize_panel(const uint8_t *w, int kind, const float *s, const float *z, int K, int group,
+                             float *out) {
     for (int k = 0; k < K; k++) {
         const int g = k / group;
         for (int c = 0; c < QNV; c++) {
             const vec sc = s ? load(s + g * QNR + c * LANES) : splat(1.f);
-            const vec zc = z ? load(z + g * QNR + c * LANES) : splat(zero);
+            const vec zc = z ? load(z + g * QNR + c * LANES) - 8.f : (vec){};
             vec q;
             if (kind == W_UINT4) {
                 const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);
@@ -174,7 +193,6 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
                  int threads) {
     const int n_panels = (N + QNR - 1) / QNR, groups = (K + group - 1) / group;
     const int64_t panel_bytes = (int64_t)K * QNR * (kind == W_BF16 ? 2 : 1) / (kind == W_UINT4 ? 2 : 1);
-    const float zero = kind == W_UINT4 ? 8.f : 0.f;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -192,13 +210,13 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
             const float *z = zeros ? zeros + (int64_t)p * groups * QNR : NULL;
             const float *b = bias ? bias + p * QNR : NULL;
             if (scratch) {
-                dequantize_panel(w, kind, s, z, zero, K, group, scratch);
+                dequantize_panel(w, kind, s, z, K, group, scratch);
                 gemm_panels(x, ldx, scratch, b, y + p * QNR, ldy, M, ncols, K, 1);
                 continue;
             }
             for (int m = 0, strips = (M + QMR - 1) / QMR, i = 0; i < strips; i++) {
                 const int r = M * (i + 1) / strips - M * i / strips;
-                QTILES[kind][r](x + m * ldx, ldx, w, s, z, zero, K, group, b, y + m * ldy + p * QNR, ldy, ncols);
+                QTILES[kind][r](x + m * ldx, ldx, w, s, z, K, group, b, y + m * ldy + p * QNR, ldy, ncols);
                 m += r;
             }
         }

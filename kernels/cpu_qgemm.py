@@ -49,6 +49,8 @@ def pack(
 ) -> QPanels:
     """`q` `[N, K]`: bf16 or float8_e4m3fn values, int8, or int4 values 0..15 in uint8 (K even)."""
     n, k = q.shape
+    if zeros is not None and kind != "int4":
+        raise ValueError(f"zero points are for int4 weights only, got them with {kind}")
     if kind == "int4":
         if k % 2 or group % 2:
             raise ValueError(f"int4 panels need an even K and group, got K={k}, group={group}")

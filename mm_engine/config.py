@@ -55,6 +55,7 @@ class EngineConfig:
     # rounded on load to "bf16", "fp8", "int8" or "int4" weights (weight-only; a scale per row and
     # group of 128 inputs), computed by the CPU's low-bit GEMM (models/layers/quant_linear.py).
     quantization: str | None = None
+    quantize_lm_head: bool = False  # the LM head too (it is a large share of a small model's bytes)
     # CPU: keep freed tensor memory in glibc's heap (mm_engine.pools.cpu_memory). It changes the whole
     # process's malloc, so a library caller opts in; the `mm-engine` commands turn it on.
     cpu_tune_malloc: bool = False

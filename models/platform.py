@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers.activations import GELUTanh
 
+from mm_engine.config import EngineConfig
 from mm_engine.kernels import cpu_build, cpu_kernels
 from mm_engine.kernels.backend import AttentionBackend, get_backend, resolve_backend_name
 from mm_engine.kernels.cpu_kernels import CpuKernels
@@ -36,6 +37,7 @@ class Platform:
     ops: TorchOps
     kernels: CpuKernels | None  # the CPU C kernels in use; None: torch everywhere
     quantization: str | None = None  # the language model's linears rounded on load to this
+    quantize_lm_head: bool = False  # ... its head included
 
     def info(self) -> dict:
         kernels = self.kernels
@@ -45,6 +47,7 @@ class Platform:
             "cpu_variant": kernels.variant if kernels else None,
             "cpu_kernels": sorted(kernels.enabled) if kernels else [],
             "quantization": self.quantization,
+            "quantized_lm_head": self.quantization is not None and self.quantize_lm_head,
             "quantized_compute": self.quantized_compute(),
         }
 
@@ -78,6 +81,7 @@ def make_platform(
     cpu_variant: str | None = None,
     cpu_kernel_set: str | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> Platform:
     """`cpu_variant` and `cpu_kernel_set`: the engine's `cpu_kernel_variant` and `cpu_kernels`
     (None: `$MM_ENGINE_CPU_VARIANT` / `$MM_ENGINE_CPU_KERNELS`, else the CPU's widest variant
@@ -88,9 +92,19 @@ def make_platform(
         if kernels is None and cpu_build.status()["errors"]:
             log.warning("no CPU C kernels: %s", cpu_build.status()["errors"])
     backend = get_backend(attention_backend, device, kernels)
-    platform = Platform(device, backend, ops_for(kernels, backend.name), kernels, quantization)
+    platform = Platform(
+        device, backend, ops_for(kernels, backend.name), kernels, quantization, quantize_lm_head
+    )
     log.info("platform: %s", platform.summary())
     return platform
+
+
+def platform_for(config: EngineConfig, device: torch.device) -> Platform:
+    """The platform an engine's `EngineConfig` asks for on `device`."""
+    return make_platform(
+        device, config.attention_backend, config.cpu_kernel_variant, config.cpu_kernels,
+        config.quantization, config.quantize_lm_head,
+    )  # fmt: skip
 
 
 def environment() -> dict:
@@ -121,6 +135,10 @@ def environment() -> dict:
         "variant": kernels.variant if kernels else None,
         "kernels": sorted(kernels.enabled) if kernels else [],
         "measured_faster": {v: sorted(k) for v, k in MEASURED_FASTER.items()},
+        # What `quantization` (bf16, fp8, int8, int4) would compute with here.
+        "quantized_compute": f"qgemm-{kernels.variant}"
+        if kernels and kernels.uses("qgemm")
+        else "dequantize",
         "errors": cpu["errors"],
     }
 
@@ -134,9 +152,12 @@ def _cpuinfo() -> list[str]:
 
 
 def quantize_model_linears(language_model: nn.Module, platform: Platform) -> None:
-    """The language model's linears (not its head) rounded to the platform's quantization."""
+    """The language model's linears (its head only if asked) rounded to the platform's quantization."""
     if platform.quantization is not None:
-        count = quantize_linears(language_model, platform.quantization, platform.qgemm_lib())
+        tp = getattr(language_model, "tp", None)
+        world = tp.world if tp is not None else 1
+        skip = () if platform.quantize_lm_head else ("lm_head",)
+        count = quantize_linears(language_model, platform.quantization, platform.qgemm_lib(), world, skip)
         log.info(
             "quantization: %d linear layers as %s (%s)",
             count,

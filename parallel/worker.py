@@ -19,7 +19,7 @@ from torch import nn
 import mm_engine.models as models
 from mm_engine.core.model_runner import ModelRunner
 from mm_engine.models.loader import load_config, resolve_model_path
-from mm_engine.models.platform import make_platform
+from mm_engine.models.platform import platform_for
 from mm_engine.parallel.group import destroy_group, init_group
 from mm_engine.parallel.ranks import pool_specs, rank_device
 from mm_engine.parallel.step_wire import (
@@ -64,13 +64,7 @@ def main() -> int:
     try:
         path = resolve_model_path(config.model)
         hf_config = load_config(path)
-        platform = make_platform(
-            device,
-            config.attention_backend,
-            config.cpu_kernel_variant,
-            config.cpu_kernels,
-            config.quantization,
-        )
+        platform = platform_for(config, device)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model = models.load_model(
                 path, hf_config, config.torch_dtype("dtype"), config.torch_dtype("vision_dtype"), device,

@@ -25,6 +25,7 @@ from torch import nn
 
 from mm_engine.config import QUANTIZATIONS
 from mm_engine.kernels import cpu_qgemm
+from mm_engine.parallel.shard import ROW
 
 GROUPS = (128, 64, 32)
 _RANGE = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
@@ -53,15 +54,16 @@ def group_size(k: int) -> int:
     return next((g for g in GROUPS if k % g == 0), k)
 
 
-def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
-    """Round a float weight `[N, K]` to `kind`, one scale per row and group (module docstring)."""
+def quantize(weight: torch.Tensor, kind: str, group: int | None = None) -> QuantizedWeight:
+    """Round a float weight `[N, K]` to `kind`, one scale per row and `group` columns (None:
+    `group_size(K)`; see the module docstring)."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
     w = weight.detach().float()
     n, k = w.shape
     if kind == "bf16":
         return QuantizedWeight(kind, w.to(torch.bfloat16), None, None, k)
-    group = group_size(k)
+    group = group or group_size(k)
     if kind == "int4" and group % 2:
         raise ValueError(f"int4 needs an even number of input features, got {k}")
     blocks = w.view(n, k // group, group)
@@ -101,8 +103,10 @@ class QuantLinear(nn.Module):
             self.bias = padded
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kind: str, lib: ctypes.CDLL | None = None) -> QuantLinear:
-        return cls(quantize(linear.weight, kind), linear.bias, lib)
+    def from_linear(
+        cls, linear: nn.Linear, kind: str, lib: ctypes.CDLL | None = None, group: int | None = None
+    ) -> QuantLinear:
+        return cls(quantize(linear.weight, kind, group), linear.bias, lib)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
@@ -122,17 +126,31 @@ class QuantLinear(nn.Module):
 
 
 def quantize_linears(
-    module: nn.Module, kind: str, lib: ctypes.CDLL | None, skip: tuple[str, ...] = ("lm_head",)
+    module: nn.Module,
+    kind: str,
+    lib: ctypes.CDLL | None,
+    world: int = 1,
+    skip: tuple[str, ...] = ("lm_head",),
 ) -> int:
     """Replace every `nn.Linear` under `module` (but those named in `skip`) with a `QuantLinear`
-    of `kind`; returns how many."""
+    of `kind`; returns how many. `world`: the tensor-parallel ranks the module is split over; a
+    row-parallel layer's groups are then those of its whole input, so that every rank's shard
+    rounds as the whole would (refused where they do not fit the shard)."""
     count = 0
     for name, child in list(module.named_children()):
         if name in skip:
             continue
         if isinstance(child, nn.Linear):
-            setattr(module, name, QuantLinear.from_linear(child, kind, lib))
+            group = None
+            if world > 1 and name in ROW and kind != "bf16":
+                group = group_size(child.in_features * world)
+                if child.in_features % group:
+                    raise ValueError(
+                        f"quantization groups of {group} inputs do not fit {name}'s shard of "
+                        f"{child.in_features} under tensor_parallel_size {world}"
+                    )
+            setattr(module, name, QuantLinear.from_linear(child, kind, lib, group))
             count += 1
         else:
-            count += quantize_linears(child, kind, lib, skip)
+            count += quantize_linears(child, kind, lib, world, skip)
     return count

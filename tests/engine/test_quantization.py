@@ -25,15 +25,17 @@ def cases(family: str) -> list:
     ]
 
 
-def quantized_reference(path: str, kind: str) -> FamilyReference:
-    """transformers with every linear layer of the language model (not the head) replaced by its
-    dequantized `kind` weight: what the engine computes, summed in another order."""
+def quantized_reference(path: str, kind: str, head: bool = False) -> FamilyReference:
+    """transformers with every linear layer of the language model (the head too with `head`)
+    replaced by its dequantized `kind` weight: what the engine computes, summed in another order."""
     ref = FamilyReference(path)
     lm = ref.model.model.language_model
     with torch.no_grad():
         for module in lm.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(quantize(module.weight, kind).dequantize())
+        if head:  # a new tensor: a head tied to the embeddings leaves them as they are
+            ref.model.lm_head.weight = nn.Parameter(quantize(ref.model.lm_head.weight, kind).dequantize())
     return ref
 
 
@@ -91,3 +93,27 @@ def test_a_bad_quantization_is_refused_by_name(vl_family):
     path, _ = vl_family("qwen2_vl")
     with pytest.raises(ValueError, match="quantization must be one of .*'int3'"):
         LLM(path, quantization="int3")
+
+
+def test_the_head_is_quantized_when_asked(vl_family):
+    path, _ = vl_family("qwen3_5")
+    ref = quantized_reference(path, "int8", head=True)
+    outs = run_batch_against(ref, path, "cpu", cases("qwen3_5"), quantization="int8", quantize_lm_head=True)
+    assert len(outs) == 3
+    llm = LLM(path, attention_backend="cpu", quantization="int8", quantize_lm_head=True)
+    assert isinstance(llm.engine.core.model.language_model.lm_head, QuantLinear)
+    assert llm.engine.core.platform.info()["quantized_lm_head"]
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "compressed-tensors"])
+def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_path, method):
+    import json
+    import shutil
+
+    path, _ = vl_family("qwen2_vl")
+    copy = shutil.copytree(path, tmp_path / "quantized")
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"stored quantized \\(quant_method='{method}'\\)"):
+        LLM(str(copy))

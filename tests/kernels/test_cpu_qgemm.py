@@ -52,7 +52,7 @@ def test_int4_with_zero_points_and_a_strided_input(cpu_lib):
     torch.testing.assert_close(w.dequantize(), want)
     wide = torch.randn(12, k + 5, generator=g)
     x = wide[:, :k]  # rows with a stride wider than K
-    for rows in (2, 12):
+    for rows in (2, 6, 12):  # grouped sums, scaled per weight, scratch panels
         torch.testing.assert_close(
             QuantLinear(w, None, cpu_lib)(x[:rows]), x[:rows] @ want.t(), rtol=1e-4, atol=1e-3
         )

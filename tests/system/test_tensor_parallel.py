@@ -302,3 +302,24 @@ def test_a_hybrid_model_over_two_ranks_through_chunks_reuse_and_swap(vl_family):
         assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
     finally:
         llm.close()
+
+
+def test_quantized_weights_split_over_two_ranks(vl_family):
+    """Each rank rounds its own shard: bf16 at TP=2 gives TP=1's tokens; int4 groups that a
+    row-parallel shard cannot hold whole are refused by name."""
+    path, _ = vl_family("qwen2_vl")
+    cases = [
+        mm(family_prompt("qwen2_vl", "describe", 1), [make_image(3, (40, 60))]),
+        family_prompt("qwen2_vl", "hi", 0),
+    ]
+    kw = dict(quantization="bf16", kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
+    expected = _tokens(LLM(path, **kw), cases, 8)
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        assert _tokens(llm, cases, 8) == expected
+    finally:
+        llm.close()
+    with pytest.raises(
+        ValueError, match="quantization groups of 128 inputs do not fit o_proj.s shard of 64 under"
+    ):
+        LLM(path, tensor_parallel_size=2, **{**kw, "quantization": "int4"})
