@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mm_engine.models import checkpoint_quant
 from mm_engine.models.interface import MultimodalModel, Processing
 from mm_engine.models.platform import Platform
 from mm_engine.parallel.group import TPGroup, check_divisible
@@ -71,23 +72,7 @@ def check_config(config) -> None:
     """Refuse a config this engine cannot serve, naming what is not supported."""
     mod, _, _ = _family(config)
     mod.check_config(config)
-    check_checkpoint_quantization(config)
-
-
-def check_checkpoint_quantization(config) -> None:
-    """A checkpoint stored quantized (`quantization_config` in config.json) is refused by its
-    method: loading it as if it were full precision would give another model."""
-    for part in (config, getattr(config, "text_config", None)):
-        quant = getattr(part, "quantization_config", None)
-        if quant:
-            method = (
-                quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-            )
-            raise ValueError(
-                f"the checkpoint is stored quantized (quant_method={str(method)!r}), which this engine does "
-                "not load yet; serve the full-precision checkpoint with quantization='int8', 'int4', "
-                "'fp8' or 'bf16' to round it on load"
-            )
+    checkpoint_quant.read(config)  # a stored format this engine does not load is refused
 
 
 def check_tensor_parallel(config, world: int) -> None:

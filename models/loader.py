@@ -39,5 +39,9 @@ def load_config(path: Path):
             f"unsupported architecture ({exc.__class__.__name__} reading config.json); "
             f"supported: {', '.join(models.SUPPORTED_ARCHITECTURES)}"
         ) from None
+    # The language model is what a quantized checkpoint stores quantized: its config says so too.
+    quant, text = getattr(config, "quantization_config", None), getattr(config, "text_config", None)
+    if quant and text is not None and not getattr(text, "quantization_config", None):
+        text.quantization_config = quant
     models.check_config(config)
     return config

@@ -152,18 +152,16 @@ def _cpuinfo() -> list[str]:
 
 
 def quantize_model_linears(language_model: nn.Module, platform: Platform) -> None:
-    """The language model's linears (its head only if asked) rounded to the platform's quantization."""
-    if platform.quantization is not None:
-        tp = getattr(language_model, "tp", None)
-        world = tp.world if tp is not None else 1
-        skip = () if platform.quantize_lm_head else ("lm_head",)
-        count = quantize_linears(language_model, platform.quantization, platform.qgemm_lib(), world, skip)
-        log.info(
-            "quantization: %d linear layers as %s (%s)",
-            count,
-            platform.quantization,
-            platform.quantized_compute(),
-        )
+    """The language model's linears (its head only if asked) rounded to the platform's
+    quantization, and those a checkpoint stores quantized kept as stored."""
+    tp = getattr(language_model, "tp", None)
+    world = tp.world if tp is not None else 1
+    skip = () if platform.quantize_lm_head else ("lm_head",)
+    lib = platform.qgemm_lib()
+    count = quantize_linears(language_model, platform.quantization, lib, world, skip)
+    if count:
+        path = f"qgemm-{platform.kernels.variant}" if lib is not None else "dequantize"
+        log.info("quantized linear layers: %d (%s, %s)", count, platform.quantization or "as stored", path)
 
 
 def pack_model_linears(model: nn.Module, language_model: nn.Module, platform: Platform) -> None:

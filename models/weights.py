@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
+from mm_engine.models import checkpoint_quant
 from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.models.layers.moe import checkpoint_layout
 from mm_engine.models.platform import Platform, adapt_vision_tower, pack_model_linears, quantize_model_linears
@@ -112,6 +113,11 @@ def build_language_model(
     qk_norm = qk_norm or "layers.0.self_attn.q_norm.weight" in lm_state
     bias["mlp"] = "layers.0.mlp.gate_proj.bias" in lm_state
     tie = "lm_head.weight" not in lm_state
+    stored_format, stored = checkpoint_quant.read(text_config), {}
+    if stored_format is not None:
+        if tp is not None:
+            raise ValueError("tensor parallelism over a checkpoint stored quantized is not supported yet")
+        lm_state, stored = stored_format.split(lm_state)
     if getattr(text_config, "num_experts", 0):
         lm_state = checkpoint_layout(lm_state, text_config)
     if tp is not None:
@@ -119,6 +125,7 @@ def build_language_model(
     with torch.device(device):
         lm = lm_class(text_config, bias, tie, ops, mrope_streams, qk_norm, tp, dtype)
     load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
+    checkpoint_quant.attach(lm, stored)
     lm.fuse_projections()
     return lm
 

@@ -8,6 +8,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers.quant_linear import concat_weights
 from mm_engine.parallel.group import TPGroup
 
 
@@ -61,6 +62,11 @@ def concat_linears(parts: list[nn.Linear]) -> nn.Linear:
         w.shape[1], sum(p.out_features for p in parts), bias=any(p.bias is not None for p in parts),
         device=w.device, dtype=w.dtype,
     ).requires_grad_(False)  # fmt: skip
+    stored = [getattr(p, "prequantized", None) for p in parts]  # a checkpoint's low-bit weights
+    if any(q is not None for q in stored):
+        if any(q is None for q in stored):
+            raise ValueError("projections stored in different formats cannot be fused")
+        fused.prequantized = concat_weights(stored)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if fused.bias is not None:

@@ -50,6 +50,24 @@ class QuantizedWeight:
         return ((values - zero) * self.scales[..., None]).view(n, k)
 
 
+def concat_weights(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one kind and group stacked by rows (fused projections)."""
+    first = parts[0]
+    if any(
+        p.kind != first.kind or p.group != first.group or (p.zeros is None) != (first.zeros is None)
+        for p in parts
+    ):
+        raise ValueError("projections stored in different formats cannot be fused")
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return QuantizedWeight(
+        first.kind,
+        cat([p.q for p in parts]),
+        cat([p.scales for p in parts]),
+        cat([p.zeros for p in parts]),
+        first.group,
+    )
+
+
 def group_size(k: int) -> int:
     return next((g for g in GROUPS if k % g == 0), k)
 
@@ -127,20 +145,28 @@ class QuantLinear(nn.Module):
 
 def quantize_linears(
     module: nn.Module,
-    kind: str,
+    kind: str | None,
     lib: ctypes.CDLL | None,
     world: int = 1,
     skip: tuple[str, ...] = ("lm_head",),
 ) -> int:
     """Replace every `nn.Linear` under `module` (but those named in `skip`) with a `QuantLinear`
-    of `kind`; returns how many. `world`: the tensor-parallel ranks the module is split over; a
-    row-parallel layer's groups are then those of its whole input, so that every rank's shard
-    rounds as the whole would (refused where they do not fit the shard)."""
+    of `kind`, and every one that carries its checkpoint's stored weight (`prequantized`,
+    models/checkpoint_quant.py) with a `QuantLinear` of that weight as stored, whatever `kind`
+    (None: only those); returns how many. `world`: the tensor-parallel ranks the module is split
+    over; a row-parallel layer's groups are then those of its whole input, so that every rank's
+    shard rounds as the whole would (refused where they do not fit the shard)."""
     count = 0
     for name, child in list(module.named_children()):
-        if name in skip:
+        stored = getattr(child, "prequantized", None)
+        if isinstance(child, nn.Linear) and stored is not None:
+            setattr(module, name, QuantLinear(stored, child.bias, lib))
+            count += 1
+        elif name in skip:
             continue
-        if isinstance(child, nn.Linear):
+        elif isinstance(child, nn.Linear):
+            if kind is None:
+                continue
             group = None
             if world > 1 and name in ROW and kind != "bf16":
                 group = group_size(child.in_features * world)

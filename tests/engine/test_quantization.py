@@ -105,8 +105,16 @@ def test_the_head_is_quantized_when_asked(vl_family):
     assert llm.engine.core.platform.info()["quantized_lm_head"]
 
 
-@pytest.mark.parametrize("method", ["fp8", "gptq", "awq", "compressed-tensors"])
-def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_path, method):
+@pytest.mark.parametrize(
+    ("method", "refusal"),
+    [
+        ("gptq", "stored quantized \\(quant_method='gptq'\\), which this engine does not load yet"),
+        ("awq", "quant_method='awq'"),
+        ("compressed-tensors", "quant_method='compressed-tensors'"),
+        ("fp8", "FP8 layout \\(weight_block_size=None.*not one this engine loads"),  # per-tensor FP8
+    ],
+)
+def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_path, method, refusal):
     import json
     import shutil
 
@@ -115,5 +123,56 @@ def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_p
     config = json.loads((copy / "config.json").read_text())
     config["quantization_config"] = {"quant_method": method, "bits": 4}
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=f"stored quantized \\(quant_method='{method}'\\)"):
+    with pytest.raises(ValueError, match=refusal):
         LLM(str(copy))
+
+
+def fp8_checkpoint(path: str, out) -> tuple[str, str]:
+    """The checkpoint at `path` stored as transformers' fine-grained FP8 (each language-model
+    projection in e4m3 with a float32 scale per 128 x 128 block), and the same checkpoint with
+    those weights at their dequantized values: (fp8 copy, full-precision twin)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fp8, twin = shutil.copytree(path, out / "fp8"), shutil.copytree(path, out / "twin")
+    state = load_file(str(fp8 / "model.safetensors"))
+    stored, plain = {}, {}
+    for key, w in state.items():
+        vision = any(v in key for v in ("visual", "vision", "merger", "projector"))
+        if key.endswith("_proj.weight") and w.dim() == 2 and not vision:
+            n, k = w.shape
+            blocks = torch.nn.functional.pad(w, (0, -k % 128, 0, -n % 128)).view(
+                -(-n // 128), 128, -(-k // 128), 128
+            )
+            scale = blocks.abs().amax(dim=(1, 3)) / 448
+            q = (w / scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(
+                torch.float8_e4m3fn
+            )
+            stored[key], stored[key.replace(".weight", ".weight_scale_inv")] = q, scale
+            plain[key] = q.float() * scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        else:
+            stored[key] = plain[key] = w
+    save_file(stored, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(plain, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": block}))
+    return str(fp8), str(twin)
+
+
+@pytest.mark.parametrize(
+    ("family", "backend"), [("qwen3_5", "cpu"), ("qwen2_vl", "cpu"), ("qwen2_vl", "torch")]
+)
+def test_an_fp8_checkpoint_loads_as_stored_and_equals_its_dequantized_twin(
+    vl_family, tmp_path, family, backend
+):
+    path, _ = vl_family(family)
+    fp8, twin = fp8_checkpoint(path, tmp_path)
+    outs = run_batch_against(FamilyReference(twin), fp8, backend, cases(family))
+    assert len(outs) == 3
+    llm = LLM(fp8, attention_backend=backend, kv_cache_memory_bytes=4 * 1024**2)
+    stored = [m for m in llm.engine.core.model.language_model.modules() if isinstance(m, QuantLinear)]
+    assert stored and all(m.kind == "fp8" for m in stored)  # read as stored, nothing rounded again
+    assert (stored[0].panels is not None) == (backend == "cpu")
