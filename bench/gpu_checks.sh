@@ -44,7 +44,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 #    backend, all compiled on the GPU (MM_ENGINE_TEST_DEVICE), against float64 / CPU references.
 TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/kernels/test_triton_kernels.py tests/kernels/test_bench_kernels.py tests/kernels/test_triton_engine.py \
-    tests/kernels/test_triton_hybrid_moe.py
+    tests/kernels/test_triton_hybrid_moe.py tests/kernels/test_triton_qgemm.py
 
 # 1a. Async scheduling on CUDA (device auto: the engine on the GPU in float16): pinned copies,
 #     queued launches and the event the tokens are read behind, against the plain loop.

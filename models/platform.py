@@ -55,6 +55,8 @@ class Platform:
         """How quantized linears compute: the CPU's low-bit GEMM, or the dequantizing reference."""
         if self.quantization is None:
             return None
+        if self.backend.name == "triton":
+            return "triton"
         return f"qgemm-{self.kernels.variant}" if self.qgemm_lib() is not None else "dequantize"
 
     def qgemm_lib(self):
@@ -157,10 +159,13 @@ def quantize_model_linears(language_model: nn.Module, platform: Platform) -> Non
     tp = getattr(language_model, "tp", None)
     world = tp.world if tp is not None else 1
     skip = () if platform.quantize_lm_head else ("lm_head",)
-    lib = platform.qgemm_lib()
-    count = quantize_linears(language_model, platform.quantization, lib, world, skip)
+    triton = platform.backend.name == "triton"
+    count = quantize_linears(language_model, platform.quantization, platform.qgemm_lib(), world, skip, triton)
     if count:
-        path = f"qgemm-{platform.kernels.variant}" if lib is not None else "dequantize"
+        lib = platform.qgemm_lib()
+        path = (
+            "triton" if triton else f"qgemm-{platform.kernels.variant}" if lib is not None else "dequantize"
+        )
         log.info("quantized linear layers: %d (%s, %s)", count, platform.quantization or "as stored", path)
 
 

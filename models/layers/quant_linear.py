@@ -10,8 +10,9 @@ where K allows (64, 32, else the whole row), so a tensor-parallel shard of K alo
 boundaries quantizes exactly as the whole.
 
 On CPU with the `qgemm` kernel, `QuantLinear` packs the weight once into the kernel's panels
-(kernels/cpu_qgemm.py) and keeps nothing else; elsewhere it keeps `q` and multiplies by the
-dequantized weight (the reference: every call rebuilds the float matrix).
+(kernels/cpu_qgemm.py) and keeps nothing else; on the triton backend it runs the Triton kernel on
+`q` as kept (kernels/triton_qgemm.py); elsewhere it multiplies by the dequantized weight (the
+reference: every call rebuilds the float matrix).
 """
 
 from __future__ import annotations
@@ -102,16 +103,22 @@ class QuantLinear(nn.Module):
     library when its `qgemm` runs here; None: the dequantizing reference."""
 
     def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: ctypes.CDLL | None = None
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        lib: ctypes.CDLL | None = None,
+        triton: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.q.shape
-        self.kind, self.lib = weight.kind, lib
+        self.kind, self.lib, self.triton = weight.kind, lib, triton
         self.weight_q: QuantizedWeight | None = None
         self.panels: cpu_qgemm.QPanels | None = None
         self.bias = None if bias is None else bias.detach()
         if lib is None:
             self.weight_q = weight
+            if triton and weight.kind == "int4":  # two to a byte, as the Triton kernel reads them
+                self.packed_int4 = (weight.q[:, 0::2] | (weight.q[:, 1::2] << 4)).contiguous()
             return
         width = cpu_qgemm.panel_width(lib)
         self.panels = cpu_qgemm.pack(weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width)
@@ -122,11 +129,14 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, kind: str, lib: ctypes.CDLL | None = None, group: int | None = None
-    ) -> QuantLinear:
-        return cls(quantize(linear.weight, kind, group), linear.bias, lib)
+        cls, linear: nn.Linear, kind: str, lib: ctypes.CDLL | None = None, group: int | None = None,
+        triton: bool = False,
+    ) -> QuantLinear:  # fmt: skip
+        return cls(quantize(linear.weight, kind, group), linear.bias, lib, triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return self._triton(x)
         if self.panels is None:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight_q.dequantize().to(x.dtype), bias)
@@ -138,29 +148,39 @@ class QuantLinear(nn.Module):
         out = cpu_qgemm.qgemm(self.lib, rows, self.panels, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from mm_engine.kernels import triton_qgemm
+
+        w = self.weight_q
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        q = self.packed_int4 if w.kind == "int4" else w.q
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out = triton_qgemm.qgemm(rows, w.kind, q, w.scales, w.zeros, w.group, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        path = "cpu kernel" if self.panels is not None else "dequantize"
+        path = "cpu kernel" if self.panels is not None else "triton" if self.triton else "dequantize"
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, {path}"
 
 
 def quantize_linears(
-    module: nn.Module,
-    kind: str | None,
-    lib: ctypes.CDLL | None,
-    world: int = 1,
-    skip: tuple[str, ...] = ("lm_head",),
-) -> int:
+    module: nn.Module, kind: str | None, lib: ctypes.CDLL | None, world: int = 1,
+    skip: tuple[str, ...] = ("lm_head",), triton: bool = False,
+) -> int:  # fmt: skip
     """Replace every `nn.Linear` under `module` (but those named in `skip`) with a `QuantLinear`
     of `kind`, and every one that carries its checkpoint's stored weight (`prequantized`,
     models/checkpoint_quant.py) with a `QuantLinear` of that weight as stored, whatever `kind`
     (None: only those); returns how many. `world`: the tensor-parallel ranks the module is split
     over; a row-parallel layer's groups are then those of its whole input, so that every rank's
-    shard rounds as the whole would (refused where they do not fit the shard)."""
+    shard rounds as the whole would (refused where they do not fit the shard). `triton`: the
+    modules compute with the Triton kernel (the triton attention backend's platform)."""
     count = 0
     for name, child in list(module.named_children()):
         stored = getattr(child, "prequantized", None)
         if isinstance(child, nn.Linear) and stored is not None:
-            setattr(module, name, QuantLinear(stored, child.bias, lib))
+            setattr(module, name, QuantLinear(stored, child.bias, lib, triton))
             count += 1
         elif name in skip:
             continue
@@ -175,8 +195,8 @@ def quantize_linears(
                         f"quantization groups of {group} inputs do not fit {name}'s shard of "
                         f"{child.in_features} under tensor_parallel_size {world}"
                     )
-            setattr(module, name, QuantLinear.from_linear(child, kind, lib, group))
+            setattr(module, name, QuantLinear.from_linear(child, kind, lib, group, triton))
             count += 1
         else:
-            count += quantize_linears(child, kind, lib, world, skip)
+            count += quantize_linears(child, kind, lib, world, skip, triton)
     return count
