@@ -110,7 +110,7 @@ def test_the_head_is_quantized_when_asked(vl_family):
     [
         ("gptq", "stored quantized \\(quant_method='gptq'\\), which this engine does not load yet"),
         ("awq", "quant_method='awq'"),
-        ("compressed-tensors", "quant_method='compressed-tensors'"),
+        ("compressed-tensors", "compressed-tensors config without config_groups is not loaded"),
         ("fp8", "FP8 layout \\(weight_block_size=None.*not one this engine loads"),  # per-tensor FP8
     ],
 )
@@ -176,3 +176,61 @@ def test_an_fp8_checkpoint_loads_as_stored_and_equals_its_dequantized_twin(
     stored = [m for m in llm.engine.core.model.language_model.modules() if isinstance(m, QuantLinear)]
     assert stored and all(m.kind == "fp8" for m in stored)  # read as stored, nothing rounded again
     assert (stored[0].panels is not None) == (backend == "cpu")
+
+
+INT4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}
+
+
+@pytest.mark.parametrize(
+    ("group", "refusal"),
+    [
+        (
+            {"format": "float-quantized", "weights": {"type": "float", "num_bits": 8}},
+            "format='float-quantized'",
+        ),
+        ({"weights": {**INT4, "actorder": "group"}}, "actorder='group'"),
+        ({"weights": INT4, "input_activations": {"num_bits": 8}}, "input_activations="),
+    ],
+)
+def test_compressed_tensors_options_not_loaded_are_refused_by_name(vl_family, tmp_path, group, refusal):
+    import json
+    import shutil
+
+    path, _ = vl_family("qwen2_vl")
+    copy = shutil.copytree(path, tmp_path / "ct")
+    config = json.loads((copy / "config.json").read_text())
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group},
+    }
+    (copy / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=refusal):
+        LLM(str(copy))
+
+
+@pytest.mark.parametrize(
+    ("family", "bits", "group", "symmetric", "backend"),
+    [
+        ("qwen3_5", 4, 32, True, "cpu"),
+        ("qwen3_5", 4, 32, False, "cpu"),  # zero points, packed down the rows (4 rows: one word)
+        ("qwen2_vl", 8, None, True, "cpu"),  # per channel
+        ("qwen2_vl", 4, None, False, "torch"),
+        ("qwen2_vl", 4, 32, True, "triton"),
+    ],
+)
+def test_a_pack_quantized_checkpoint_written_by_compressed_tensors_equals_its_decompressed_twin(
+    vl_family, tmp_path, family, bits, group, symmetric, backend
+):
+    from helpers.compressed import dequantized_twin, pack_quantized_checkpoint
+
+    path, _ = vl_family(family)
+    packed, twin = tmp_path / "packed", tmp_path / "twin"
+    pack_quantized_checkpoint(path, packed, bits, group, symmetric)
+    dequantized_twin(packed, twin)
+    outs = run_batch_against(FamilyReference(str(twin)), str(packed), backend, cases(family))
+    assert len(outs) == 3
+    llm = LLM(str(packed), attention_backend=backend, kv_cache_memory_bytes=4 * 1024**2)
+    stored = [m for m in llm.engine.core.model.language_model.modules() if isinstance(m, QuantLinear)]
+    assert stored and {m.kind for m in stored} == {f"int{bits}"}
+    assert all((m.weight_q if m.panels is None else m.panels).zeros is None for m in stored) == symmetric
