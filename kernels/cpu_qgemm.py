@@ -60,8 +60,8 @@ def pack(
         weights = _panels(q.contiguous().view(torch.int16), width).view(torch.uint8)
     else:
         weights = _panels(q.contiguous().view(torch.uint8), width)
-    pack_groups = lambda t: None if t is None else _panels(t.float(), width)  # noqa: E731
-    return QPanels(kind, weights, pack_groups(scales), pack_groups(zeros), group, n, k)
+    scales, zeros = (None if t is None else _panels(t.float(), width) for t in (scales, zeros))
+    return QPanels(kind, weights, scales, zeros, group, n, k)
 
 
 def qgemm(lib: ctypes.CDLL, rows: torch.Tensor, panels: QPanels, bias: torch.Tensor | None) -> torch.Tensor:

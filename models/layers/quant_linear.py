@@ -59,14 +59,9 @@ def concat_weights(parts: list[QuantizedWeight]) -> QuantizedWeight:
         for p in parts
     ):
         raise ValueError("projections stored in different formats cannot be fused")
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return QuantizedWeight(
-        first.kind,
-        cat([p.q for p in parts]),
-        cat([p.scales for p in parts]),
-        cat([p.zeros for p in parts]),
-        first.group,
-    )
+    scales = None if first.scales is None else torch.cat([p.scales for p in parts])
+    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), scales, zeros, first.group)
 
 
 def group_size(k: int) -> int:

@@ -1,8 +1,9 @@
-"""`quantization` on load (models/layers/quant_linear.py): the engine with its language model's
-linears rounded to bf16, fp8, int8 or int4 gives transformers' greedy tokens when transformers
-runs the same checkpoint with those linears replaced by the dequantized weights, on the cpu
-backend (the low-bit GEMM), the torch backend and Triton (the dequantizing reference), in mixed
-batches with images; the vision tower and the LM head stay as they were; a bad setting is refused."""
+"""`quantization` on load (models/layers/quant_linear.py) and checkpoints stored quantized
+(models/checkpoint_quant.py): the engine gives transformers' greedy tokens when transformers runs
+the same checkpoint with its linears at the dequantized weights, on the cpu backend (the low-bit
+GEMM), the torch backend (the dequantizing reference) and Triton (its low-bit GEMM), in mixed
+batches with images; the vision tower and the LM head stay as they were unless asked; a setting or
+a stored format the engine does not take is refused by name."""
 
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ def references(vl_family):
         ("qwen3_5", "fp8", "cpu"),
         ("qwen3_5", "bf16", "cpu"),
         ("qwen3_5", "int4", "torch"),
-        ("qwen3_5", "int8", "triton"),
         ("qwen2_vl", "int4", "cpu"),  # biases on q, k and v
         ("qwen2_vl", "int8", "torch"),
     ],
