@@ -31,6 +31,11 @@ from mm_engine.testing.common import WORDS
 def step_seconds(llm: LLM, batch: int, context: int, steps: int, seed: int) -> list[float]:
     """Time `steps` decode steps of `batch` sequences whose prompts are `context` tokens."""
     engine = llm.engine
+    seats = engine.core.scheduler.max_num_seqs  # a hybrid model's state slots may set fewer
+    if batch > seats:
+        raise SystemExit(
+            f"batch {batch} is more than the {seats} sequences the engine seats: raise its memory"
+        )
     rng = random.Random(seed)
     # Long enough that nobody finishes while the last prompts are being prefilled (every running
     # request decodes a token in each of those steps); all are aborted after the timed steps.
