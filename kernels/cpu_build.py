@@ -93,7 +93,6 @@ SIGNATURES = {
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],
     "qgemm_panels": [_P, _I64, _P, _I32, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],
-    "qgemm_panel_width": [],
     "write_kv": [
         *(_P, _I64, _I64, _P, _I64, _I64),  # key and value with their token and head strides
         *(_P, _P, _I64, _I64, _I64),  # k and v cache, their block, slot and head strides

@@ -28,14 +28,9 @@
 
 #include "cpu_simd.h"
 
-#if WIDE_REGISTERS
-#define NV 3 /* vectors of output columns per panel */
-#define MR 8 /* rows per register tile, at most */
-#else
-#define NV 2
-#define MR 6
-#endif
-#define NR (NV * LANES) /* output columns per panel */
+#define NV PANEL_VECTORS /* vectors of output columns per panel */
+#define MR TILE_ROWS     /* rows per register tile, at most */
+#define NR (NV * LANES)  /* output columns per panel */
 #define MC 96           /* rows per block */
 #define KC 768          /* K per block: larger K is summed block by block through y */
 
@@ -76,7 +71,7 @@ GEMM_TILE(tile4, 4)
 GEMM_TILE(tile5, 5)
 GEMM_TILE(tile6, 6)
 typedef void (*tile_fn)(const float *, int64_t, const float *, int, const float *, int64_t, float *, int64_t, int);
-#if MR == 8
+#if WIDE_REGISTERS
 GEMM_TILE(tile7, 7)
 GEMM_TILE(tile8, 8)
 static const tile_fn TILES[MR + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};

@@ -31,6 +31,15 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(-1, width, k).transpose(1, 2).contiguous()
 
 
+def padded_bias(bias: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """A bias in float32 with zeros up to whole panels (what the GEMMs add per panel)."""
+    if bias is None:
+        return None
+    out = bias.new_zeros(-(-bias.shape[0] // width) * width, dtype=torch.float32)
+    out[: bias.shape[0]] = bias.detach()
+    return out
+
+
 def gemm(
     lib: ctypes.CDLL, rows: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:

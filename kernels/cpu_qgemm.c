@@ -20,14 +20,9 @@
 
 #include "cpu_simd.h"
 
-#if WIDE_REGISTERS
-#define QNV 3
-#define QMR 8
-#else
-#define QNV 2
-#define QMR 6
-#endif
-#define QNR (QNV * LANES) /* equal to cpu_gemm.c's panel width */
+#define QNV PANEL_VECTORS /* cpu_gemm.c's panels: the scratch path hands them to gemm_panels */
+#define QMR TILE_ROWS
+#define QNR (QNV * LANES)
 #define DIRECT_ROWS 8
 
 enum { W_BF16 = 1, W_FP8 = 2, W_INT8 = 3, W_UINT4 = 4 };
@@ -76,6 +71,17 @@ static inline ivec bytes(const uint8_t *p) { return widen_u8(p); }
 static inline vec low_nibbles(ivec v) { return __builtin_convertvector((v & 15) - 8, vec); }
 static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4) - 8, vec); }
 
+/* The stored values of weight row k, vector c of a panel, as floats (int4 signed: q - 8). A tile
+ * reads an int4 byte once for both of its k (low_nibbles, high_nibbles); this reads one. */
+static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
+    if (kind == W_UINT4) {
+        const ivec b = bytes(w + (k / 2) * QNR + c * LANES);
+        return k % 2 ? high_nibbles(b) : low_nibbles(b);
+    }
+    const uint8_t *p = w + (k * QNR + c * LANES) * (kind == W_BF16 ? 2 : 1);
+    return kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p) : from_int8(p);
+}
+
 /* Up to this many rows a tile sums each group's products unscaled and scales the sum once (one
  * accumulator set more: 4 rows x 3 vectors fit AVX-512's 32 registers twice, 2 x 2 AVX2's 16). */
 #define GROUPED_ROWS (WIDE_REGISTERS ? 4 : 2)
@@ -87,7 +93,6 @@ static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4)
                                                const float *s, const float *z, int K, int group,         \
                                                const float *init, float *y, int64_t ldy, int ncols) {    \
         enum { GROUPED = kind != W_BF16 && R <= GROUPED_ROWS, STEP = kind == W_UINT4 ? 2 : 1 };           \
-        const int esize = kind == W_BF16 ? 2 : 1;                                                        \
         vec a[R][QNV];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
             for (int c = 0; c < QNV; c++) a[r][c] = init ? load(init + c * LANES) : (vec){};             \
@@ -114,8 +119,7 @@ static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4)
                         q[0][c] = low_nibbles(b);                                                        \
                         q[STEP - 1][c] = high_nibbles(b);                                                \
                     } else {                                                                             \
-                        const uint8_t *p = w + ((int64_t)k * QNR + c * LANES) * esize;                   \
-                        q[0][c] = kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p) : from_int8(p); \
+                        q[0][c] = stored_values(w, kind, k, c);                                          \
                     }                                                                                    \
                     for (int j = 0; !GROUPED && kind != W_BF16 && j < STEP; j++)                         \
                         q[j][c] = z ? (q[j][c] - zc[c]) * sc[c] : q[j][c] * sc[c];                        \
@@ -124,7 +128,7 @@ static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4)
                     for (int r = 0; r < R; r++) {                                                        \
                         const vec xr = splat(x[r * ldx + k + j]);                                        \
                         for (int c = 0; c < QNV; c++) {                                                  \
-                            if (GROUPED) acc[r][c] += xr * q[j][c];          \
+                            if (GROUPED) acc[r][c] += xr * q[j][c];                                      \
                             else a[r][c] += xr * q[j][c];                                                \
                         }                                                                                \
                     }                                                                                    \
@@ -167,23 +171,10 @@ static void dequantize_panel(const uint8_t *w, int kind, const float *s, const f
         for (int c = 0; c < QNV; c++) {
             const vec sc = s ? load(s + g * QNR + c * LANES) : splat(1.f);
             const vec zc = z ? load(z + g * QNR + c * LANES) - 8.f : (vec){};
-            vec q;
-            if (kind == W_UINT4) {
-                const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);
-                q = k % 2 ? high_nibbles(b) : low_nibbles(b);
-            } else if (kind == W_BF16) {
-                q = from_bf16(w + ((int64_t)k * QNR + c * LANES) * 2);
-            } else if (kind == W_FP8) {
-                q = from_fp8(w + (int64_t)k * QNR + c * LANES);
-            } else {
-                q = from_int8(w + (int64_t)k * QNR + c * LANES);
-            }
-            store(out + (int64_t)k * QNR + c * LANES, (q - zc) * sc);
+            store(out + (int64_t)k * QNR + c * LANES, (stored_values(w, kind, k, c) - zc) * sc);
         }
     }
 }
-
-int qgemm_panel_width(void) { return QNR; }
 
 /* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) W^T + bias, W packed as above; `scales`
  * NULL for bf16 and fp8 without scales, `zeros` NULL for the kind's constant zero, `bias` (padded

@@ -1,7 +1,8 @@
 """The low-bit GEMM (`cpu_qgemm.c`): y = x W^T + b with W in bf16, fp8 (e4m3), int8 or packed
 unsigned int4, a float scale (and zero point) per output column and group of K, called via ctypes.
 
-`pack` lays a quantized weight out in the kernel's panels once, at load time; `qgemm` runs it.
+`pack` lays a quantized weight out in the float GEMM's panels (cpu_gemm.py: the same width) once,
+at load time; `qgemm` runs it.
 Both take the plain per-row form models/layers/quant_linear.py keeps: `q` `[N, K]` (the stored
 values, int4 as 0..15 in uint8), `scales` and `zeros` `[N, K / group]`.
 """
@@ -12,6 +13,8 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
+
+from mm_engine.kernels.cpu_gemm import pack_panels
 
 KINDS = {"bf16": 1, "fp8": 2, "int8": 3, "int4": 4}
 
@@ -27,16 +30,10 @@ class QPanels:
     k: int
 
 
-def panel_width(lib: ctypes.CDLL) -> int:
-    return lib.qgemm_panel_width()
-
-
-def _panels(x: torch.Tensor, width: int) -> torch.Tensor:
-    """`[N, C]` -> `[ceil(N / width), C, width]`, zero rows past N."""
-    n, cols = x.shape
-    padded = x.new_zeros(-(-n // width) * width, cols)
-    padded[:n] = x
-    return padded.view(-1, width, cols).transpose(1, 2).contiguous()
+def int4_bytes(q: torch.Tensor) -> torch.Tensor:
+    """int4 values 0..15 `[N, K]` (uint8) two to a byte, `[N, K / 2]`: k even in the low nibble
+    (the layout both low-bit GEMMs read, and compressed-tensors' 4-bit packing in bytes)."""
+    return (q[:, 0::2].to(torch.uint8) | (q[:, 1::2].to(torch.uint8) << 4)).contiguous()
 
 
 def pack(
@@ -54,13 +51,12 @@ def pack(
     if kind == "int4":
         if k % 2 or group % 2:
             raise ValueError(f"int4 panels need an even K and group, got K={k}, group={group}")
-        low, high = q[:, 0::2].to(torch.uint8), q[:, 1::2].to(torch.uint8)
-        weights = _panels(low | (high << 4), width)  # [panels, K / 2, width]: k even in the low nibble
+        weights = pack_panels(int4_bytes(q), width)  # [panels, K / 2, width]
     elif kind == "bf16":  # each weight's two bytes together: [panels, K, width] of 16 bits
-        weights = _panels(q.contiguous().view(torch.int16), width).view(torch.uint8)
+        weights = pack_panels(q.contiguous().view(torch.int16), width).view(torch.uint8)
     else:
-        weights = _panels(q.contiguous().view(torch.uint8), width)
-    scales, zeros = (None if t is None else _panels(t.float(), width) for t in (scales, zeros))
+        weights = pack_panels(q.contiguous().view(torch.uint8), width)
+    scales, zeros = (None if t is None else pack_panels(t.float(), width) for t in (scales, zeros))
     return QPanels(kind, weights, scales, zeros, group, n, k)
 
 

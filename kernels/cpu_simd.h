@@ -27,6 +27,11 @@ typedef int ivec __attribute__((vector_size(MM_VEC_BYTES)));
 /* Registers the tiles may fill: 32 on AVX-512, 16 on AVX2, SSE2 (NEON's 32 are left unused). */
 #define WIDE_REGISTERS (MM_VEC_BYTES == 64)
 
+/* The float GEMM's panels (cpu_gemm.c), which the low-bit GEMM (cpu_qgemm.c) packs alike and hands
+ * to it: PANEL_VECTORS vectors of output columns, register tiles of up to TILE_ROWS rows. */
+#define PANEL_VECTORS (WIDE_REGISTERS ? 3 : 2)
+#define TILE_ROWS (WIDE_REGISTERS ? 8 : 6)
+
 static inline vec load(const float *p) { return *(const vec_u *)p; }
 static inline void store(float *p, vec v) { *(vec_u *)p = v; }
 /* x in every lane: one broadcast, from memory where x comes from there. (`(vec){} + x`, the usual

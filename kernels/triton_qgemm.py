@@ -115,8 +115,3 @@ def qgemm(
         "ieee" if x.dtype == torch.float32 else None,
     )  # fmt: skip
     return y
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int4 values 0..15 `[N, K]` (uint8) as bytes `[N, K / 2]`, k even in the low nibble."""
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()

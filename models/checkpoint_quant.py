@@ -33,31 +33,23 @@ class Fp8Blocks:
     cols: int  # block width (input features): the scales' group
 
     def split(self, state: dict) -> tuple[dict, dict[str, QuantizedWeight]]:
-        """`state` with each FP8 weight and its scales replaced by the dequantized float32 weight
-        (the module loads as usual), and per module path (`layers.0.mlp.up_proj`) its weight as
-        stored."""
-        out, stored = dict(state), {}
-        for key in [k for k in state if k.endswith(SCALE)]:
-            module = key[: -len(SCALE)]
-            weight = _load(out.pop(f"{module}.weight"))
-            scales = _load(out.pop(key)).float()
-            n, k = weight.shape
-            if weight.dtype != torch.float8_e4m3fn:
-                raise ValueError(
-                    f"{module}.weight is {weight.dtype}, not float8_e4m3fn, beside its block scales"
-                )
-            if k % self.cols and k > self.cols:
-                raise ValueError(f"{module}: {k} input features are not whole {self.cols}-wide FP8 blocks")
-            group = min(self.cols, k)
-            per_row = scales.repeat_interleave(self.rows, dim=0)[:n]  # [N, K / group]
-            if per_row.shape != (n, -(-k // group)):
-                raise ValueError(
-                    f"{module}: block scales of shape {tuple(scales.shape)} do not fit a {n} x {k} weight"
-                )
-            qw = QuantizedWeight("fp8", weight, per_row.contiguous(), None, group)
-            stored[module] = qw
-            out[f"{module}.weight"] = qw.dequantize()
-        return out, stored
+        return _split(state, SCALE, self._read)
+
+    def _read(self, out: dict, module: str) -> QuantizedWeight:
+        weight = _load(out.pop(f"{module}.weight"))
+        scales = _load(out.pop(f"{module}{SCALE}")).float()
+        n, k = weight.shape
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{module}.weight is {weight.dtype}, not float8_e4m3fn, beside its block scales")
+        if k % self.cols and k > self.cols:
+            raise ValueError(f"{module}: {k} input features are not whole {self.cols}-wide FP8 blocks")
+        group = min(self.cols, k)
+        per_row = scales.repeat_interleave(self.rows, dim=0)[:n]  # [N, K / group]
+        if per_row.shape != (n, -(-k // group)):
+            raise ValueError(
+                f"{module}: block scales of shape {tuple(scales.shape)} do not fit a {n} x {k} weight"
+            )
+        return QuantizedWeight("fp8", weight, per_row.contiguous(), None, group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,31 +61,39 @@ class PackQuantized:
     (here both kept offset, 0..15)."""
 
     def split(self, state: dict) -> tuple[dict, dict[str, QuantizedWeight]]:
-        out, stored = dict(state), {}
-        for key in [k for k in state if k.endswith(".weight_packed")]:
-            module = key[: -len(".weight_packed")]
-            packed = _load(out.pop(key))
-            n, k = (int(v) for v in _load(out.pop(f"{module}.weight_shape")).tolist())
-            scales = _load(out.pop(f"{module}.weight_scale")).float().reshape(n, -1)
-            bits = packed.shape[1] * 32 // k
-            zero = out.pop(f"{module}.weight_zero_point", None)
-            zero = None if zero is None else _zero_points(_load(zero), bits, n)
-            raw = packed.contiguous().view(torch.uint8)  # little-endian: value i in byte i x bits / 8
-            if bits == 4 and k % 2 == 0:
-                pairs = raw[:, : k // 2]
-                q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)  # 0..15 = value + 8
-                qw = QuantizedWeight("int4", q, scales, zero, k // scales.shape[1])
-            elif bits == 8 and zero is None:
-                q = (raw[:, :k].to(torch.int16) - 128).to(torch.int8)
-                qw = QuantizedWeight("int8", q, scales, None, k // scales.shape[1])
-            else:
-                kind = f"{bits}-bit" + (" asymmetric" if zero is not None else "")
-                raise ValueError(
-                    f"{module}: {kind} pack-quantized weights are not loaded (4-bit and symmetric 8-bit are)"
-                )
-            stored[module] = qw
-            out[f"{module}.weight"] = qw.dequantize()
-        return out, stored
+        return _split(state, ".weight_packed", self._read)
+
+    def _read(self, out: dict, module: str) -> QuantizedWeight:
+        packed = _load(out.pop(f"{module}.weight_packed"))
+        n, k = (int(v) for v in _load(out.pop(f"{module}.weight_shape")).tolist())
+        scales = _load(out.pop(f"{module}.weight_scale")).float().reshape(n, -1)
+        bits = packed.shape[1] * 32 // k
+        zero = out.pop(f"{module}.weight_zero_point", None)
+        zero = None if zero is None else _zero_points(_load(zero), bits, n)
+        raw = packed.contiguous().view(torch.uint8)  # little-endian: value i in byte i x bits / 8
+        if bits == 4 and k % 2 == 0:
+            pairs = raw[:, : k // 2]
+            q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(n, k)  # 0..15 = value + 8
+            return QuantizedWeight("int4", q, scales, zero, k // scales.shape[1])
+        if bits == 8 and zero is None:
+            q = (raw[:, :k].to(torch.int16) - 128).to(torch.int8)
+            return QuantizedWeight("int8", q, scales, None, k // scales.shape[1])
+        kind = f"{bits}-bit" + (" asymmetric" if zero is not None else "")
+        raise ValueError(
+            f"{module}: {kind} pack-quantized weights are not loaded (4-bit and symmetric 8-bit are)"
+        )
+
+
+def _split(state: dict, marker: str, read) -> tuple[dict, dict[str, QuantizedWeight]]:
+    """`state` with each stored-quantized layer (found by its `marker` key; `read(state, module)`
+    pops its tensors) replaced by its dequantized float32 weight, so that the module loads as
+    usual, and per module path (`layers.0.mlp.up_proj`) its weight as stored."""
+    out, stored = dict(state), {}
+    for key in [k for k in state if k.endswith(marker)]:
+        module = key[: -len(marker)]
+        stored[module] = read(out, module)
+        out[f"{module}.weight"] = stored[module].dequantize()
+    return out, stored
 
 
 def _zero_points(stored: torch.Tensor, bits: int, rows: int) -> torch.Tensor:

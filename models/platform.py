@@ -52,9 +52,12 @@ class Platform:
         }
 
     def quantized_compute(self) -> str | None:
-        """How quantized linears compute: the CPU's low-bit GEMM, or the dequantizing reference."""
-        if self.quantization is None:
-            return None
+        """How `quantization` computes here (None: none asked for)."""
+        return None if self.quantization is None else self.low_bit_path()
+
+    def low_bit_path(self) -> str:
+        """How low-bit linears compute: the Triton kernel, the CPU's low-bit GEMM, or the
+        dequantizing reference."""
         if self.backend.name == "triton":
             return "triton"
         return f"qgemm-{self.kernels.variant}" if self.qgemm_lib() is not None else "dequantize"
@@ -162,11 +165,8 @@ def quantize_model_linears(language_model: nn.Module, platform: Platform) -> Non
     triton = platform.backend.name == "triton"
     count = quantize_linears(language_model, platform.quantization, platform.qgemm_lib(), world, skip, triton)
     if count:
-        lib = platform.qgemm_lib()
-        path = (
-            "triton" if triton else f"qgemm-{platform.kernels.variant}" if lib is not None else "dequantize"
-        )
-        log.info("quantized linear layers: %d (%s, %s)", count, platform.quantization or "as stored", path)
+        kind = platform.quantization or "as stored"
+        log.info("quantized linear layers: %d (%s, %s)", count, kind, platform.low_bit_path())
 
 
 def pack_model_linears(model: nn.Module, language_model: nn.Module, platform: Platform) -> None:

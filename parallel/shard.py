@@ -39,10 +39,11 @@ def shard_state(state: dict, lm: nn.Module, tp: TPGroup) -> dict[str, torch.Tens
             out[key] = _range(ref, 1, tp.rank * want[1], want[1])
         elif layer in SEGMENTED:
             widths = lm.get_submodule(key.rsplit(".", 2)[0]).widths  # this rank's q, k, v channels
-            out[key] = torch.cat([
-                _range(ref, 0, start * tp.world + tp.rank * w, w)
-                for start, w in zip([0, *itertools.accumulate(widths)], widths)  # noqa: B905
-            ])  # fmt: skip
+            starts = [0, *itertools.accumulate(widths)][:-1]  # of each part in the shard
+            parts = [
+                _range(ref, 0, s * tp.world + tp.rank * w, w) for s, w in zip(starts, widths, strict=True)
+            ]
+            out[key] = torch.cat(parts)
         elif key.rsplit(".", 1)[-1] in PER_HEAD:
             out[key] = _range(ref, 0, tp.rank * want[0], want[0])
         elif key in VOCAB:

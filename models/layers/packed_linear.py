@@ -93,10 +93,7 @@ class PanelLinear(nn.Module):
         width = cpu_gemm.panel_width(lib)
         with torch.no_grad():
             self.panels = cpu_gemm.pack_panels(linear.weight.detach(), width)
-            self.bias = None
-            if linear.bias is not None:
-                self.bias = linear.bias.detach().new_zeros(self.panels.shape[0] * width)
-                self.bias[: self.out_features] = linear.bias.detach()
+            self.bias = cpu_gemm.padded_bias(linear.bias, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_engine.config import QUANTIZATIONS
-from mm_engine.kernels import cpu_qgemm
+from mm_engine.kernels import cpu_gemm, cpu_qgemm
 from mm_engine.parallel.shard import ROW
 
 GROUPS = (128, 64, 32)
@@ -113,14 +113,11 @@ class QuantLinear(nn.Module):
         if lib is None:
             self.weight_q = weight
             if triton and weight.kind == "int4":  # two to a byte, as the Triton kernel reads them
-                self.packed_int4 = (weight.q[:, 0::2] | (weight.q[:, 1::2] << 4)).contiguous()
+                self.packed_int4 = cpu_qgemm.int4_bytes(weight.q)
             return
-        width = cpu_qgemm.panel_width(lib)
+        width = cpu_gemm.panel_width(lib)
         self.panels = cpu_qgemm.pack(weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width)
-        if self.bias is not None:
-            padded = self.bias.new_zeros(-(-self.out_features // width) * width).float()
-            padded[: self.out_features] = self.bias
-            self.bias = padded
+        self.bias = cpu_gemm.padded_bias(self.bias, width)
 
     @classmethod
     def from_linear(
@@ -130,30 +127,29 @@ class QuantLinear(nn.Module):
         return cls(quantize(linear.weight, kind, group), linear.bias, lib, triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton:
-            return self._triton(x)
-        if self.panels is None:
+        if self.panels is None and not self.triton:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight_q.dequantize().to(x.dtype), bias)
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"QuantLinear's CPU kernel takes float32 CPU input, got {x.dtype} on {x.device}")
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = cpu_qgemm.qgemm(self.lib, rows, self.panels, self.bias)
+        out = self._triton(rows) if self.triton else self._cpu(rows)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+    def _cpu(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dtype != torch.float32 or rows.device.type != "cpu":
+            raise TypeError(
+                f"QuantLinear's CPU kernel takes float32 CPU input, got {rows.dtype} on {rows.device}"
+            )
+        return cpu_qgemm.qgemm(self.lib, rows, self.panels, self.bias)
+
+    def _triton(self, rows: torch.Tensor) -> torch.Tensor:
         from mm_engine.kernels import triton_qgemm
 
         w = self.weight_q
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
         q = self.packed_int4 if w.kind == "int4" else w.q
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        out = triton_qgemm.qgemm(rows, w.kind, q, w.scales, w.zeros, w.group, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        bias = None if self.bias is None else self.bias.to(rows.dtype)
+        return triton_qgemm.qgemm(rows, w.kind, q, w.scales, w.zeros, w.group, bias)
 
     def extra_repr(self) -> str:
         path = "cpu kernel" if self.panels is not None else "triton" if self.triton else "dequantize"

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from helpers.device import TEST_DEVICE
 from mm_engine.config import QUANTIZATIONS
-from mm_engine.kernels.triton_qgemm import pack_int4, qgemm
+from mm_engine.kernels.cpu_qgemm import int4_bytes
+from mm_engine.kernels.triton_qgemm import qgemm
 from mm_engine.models.layers.quant_linear import QuantizedWeight, QuantLinear, quantize
 
 
@@ -25,7 +26,7 @@ def test_the_kernel_equals_the_dequantized_weight(kind, n, k, rows):
     g = torch.Generator().manual_seed(n + k)
     w = quantize(torch.randn(n, k, generator=g), kind)
     x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
-    q = pack_int4(w.q) if kind == "int4" else w.q
+    q = int4_bytes(w.q) if kind == "int4" else w.q
     got = qgemm(*_on(x), kind, *_on(q, w.scales, w.zeros), w.group, *_on(b))
     torch.testing.assert_close(got.cpu(), F.linear(x, w.dequantize(), b), rtol=1e-4, atol=1e-4)
 
