@@ -55,19 +55,28 @@ static inline ivec widen_u16(const uint8_t *p) { u16vec v; memcpy(&v, p, sizeof 
 
 static inline vec from_bf16(const uint8_t *p) { return (vec)(widen_u16(p) << 16); }
 
-/* e4m3: the exponent and mantissa bits moved to float32's places make 2^(e - 127) (1 + m / 8),
+/* e4m3: the byte sign-extended and shifted left by 20 puts the exponent and mantissa in float32's
+ * places and the sign in bit 31 (bits 27-30, copies of the sign, are cleared): 2^(e - 127) (1 + m / 8),
  * or for e = 0 the float32 denormal m 2^-149 x 2^20; times 2^120 both become the fp8 value. */
 static inline vec from_fp8(const uint8_t *p) {
-    const u32vec u = (u32vec)widen_u8(p);
-    const vec magnitude = (vec)((u & 0x7F) << 20) * 0x1p120f;
-    return (vec)((u32vec)magnitude | ((u & 0x80) << 24));
+    return (vec)(((u32vec)widen_i8(p) << 20) & 0x87FFFFFFu) * 0x1p120f;
 }
 
 static inline vec from_int8(const uint8_t *p) { return __builtin_convertvector(widen_i8(p), vec); }
 
-/* int4 pairs, one byte a lane, as signed values (q - 8): a symmetric weight is then q * scale, and
- * a given zero point z enters as z - 8. */
+/* int4 pairs, one byte a lane. The tiles take the values as stored (0..15) and subtract the zero
+ * point (8, or the stored one) per group; `stored_values` gives them signed (q - 8). AVX-512 looks a
+ * nibble up in a table of the 16 floats (vpermps reads an index's low 4 bits only): one instruction
+ * where masking, converting and offsetting take three. */
 static inline ivec bytes(const uint8_t *p) { return widen_u8(p); }
+#if MM_VEC_BYTES == 64
+#define NIBBLE_TABLE (vec){0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f}
+static inline vec low_nibbles_u(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)v, (__m512)NIBBLE_TABLE); }
+static inline vec high_nibbles_u(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)(v >> 4), (__m512)NIBBLE_TABLE); }
+#else
+static inline vec low_nibbles_u(ivec v) { return __builtin_convertvector(v & 15, vec); }
+static inline vec high_nibbles_u(ivec v) { return __builtin_convertvector(v >> 4, vec); }
+#endif
 static inline vec low_nibbles(ivec v) { return __builtin_convertvector((v & 15) - 8, vec); }
 static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4) - 8, vec); }
 
@@ -83,46 +92,45 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
 }
 
 /* Up to this many rows a tile sums each group's products unscaled and scales the sum once (one
- * accumulator set more: 4 rows x 3 vectors fit AVX-512's 32 registers twice, 2 x 2 AVX2's 16). */
+ * accumulator set more: 4 rows x 3 vectors fit AVX-512's 32 registers twice, 2 x 2 AVX2's 16); an
+ * int4 group's zero point then enters once too, as zero x (the group's sum of x), from `xsum`. */
 #define GROUPED_ROWS (WIDE_REGISTERS ? 4 : 2)
 
 /* R rows x NR columns, the direct path: `w` one panel's packed weights for all of K, `s` and `z`
- * its scales and zero points (z: int4 only, NULL for symmetric), `group` K per scale. */
+ * its scales and zero points (z: int4 only, NULL for 8), `group` K per scale, `xsum` (int4 only)
+ * each row's sum of x per group, `groups` to a row. */
 #define QTILE(NAME, R, kind)                                                                             \
     static __attribute__((noinline)) void NAME(const float *x, int64_t ldx, const uint8_t *w,            \
                                                const float *s, const float *z, int K, int group,         \
-                                               const float *init, float *y, int64_t ldy, int ncols) {    \
+                                               const float *xsum, int groups, const float *init,         \
+                                               float *y, int64_t ldy, int ncols) {                       \
         enum { GROUPED = kind != W_BF16 && R <= GROUPED_ROWS, STEP = kind == W_UINT4 ? 2 : 1 };           \
         vec a[R][QNV];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
             for (int c = 0; c < QNV; c++) a[r][c] = init ? load(init + c * LANES) : (vec){};             \
-        for (int g0 = 0; g0 < K; g0 += group) {                                                          \
+        for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {                                              \
             const int g1 = g0 + group < K ? g0 + group : K;                                              \
-            vec sc[QNV], zc[QNV], acc[R][QNV];                                             \
-            float xs[R];                                                                                 \
+            vec sc[QNV], zc[QNV], acc[R][QNV];                                                           \
             for (int c = 0; c < QNV; c++) {                                                              \
                 sc[c] = s ? load(s + c * LANES) : splat(1.f);                                            \
-                zc[c] = z ? load(z + c * LANES) - 8.f : (vec){};                                         \
+                zc[c] = z ? load(z + c * LANES) : splat(8.f);                                            \
             }                                                                                            \
             if (s) s += QNR;                                                                             \
             if (z) z += QNR;                                                                             \
-            for (int r = 0; r < R; r++) {                                                                \
-                xs[r] = 0.f;                                                                             \
-                for (int k = g0; z && GROUPED && k < g1; k++) xs[r] += x[r * ldx + k];                    \
-                for (int c = 0; GROUPED && c < QNV; c++) acc[r][c] = (vec){}; \
-            }                                                                                            \
+            for (int r = 0; GROUPED && r < R; r++)                                                       \
+                for (int c = 0; c < QNV; c++) acc[r][c] = (vec){};                                       \
             for (int k = g0; k < g1; k += STEP) {                                                        \
                 vec q[STEP][QNV];                                                                        \
                 for (int c = 0; c < QNV; c++) {                                                          \
                     if (kind == W_UINT4) {                                                               \
                         const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);                   \
-                        q[0][c] = low_nibbles(b);                                                        \
-                        q[STEP - 1][c] = high_nibbles(b);                                                \
+                        q[0][c] = low_nibbles_u(b);                                                      \
+                        q[STEP - 1][c] = high_nibbles_u(b);                                              \
                     } else {                                                                             \
                         q[0][c] = stored_values(w, kind, k, c);                                          \
                     }                                                                                    \
                     for (int j = 0; !GROUPED && kind != W_BF16 && j < STEP; j++)                         \
-                        q[j][c] = z ? (q[j][c] - zc[c]) * sc[c] : q[j][c] * sc[c];                        \
+                        q[j][c] = kind == W_UINT4 ? (q[j][c] - zc[c]) * sc[c] : q[j][c] * sc[c];          \
                 }                                                                                        \
                 for (int j = 0; j < STEP; j++)                                                           \
                     for (int r = 0; r < R; r++) {                                                        \
@@ -135,8 +143,8 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
             }                                                                                            \
             for (int r = 0; GROUPED && r < R; r++)                                                       \
                 for (int c = 0; c < QNV; c++) {                                                          \
-                    const vec sum = acc[r][c];                               \
-                    a[r][c] += (z ? sum - zc[c] * xs[r] : sum) * sc[c];                                  \
+                    const vec sum = acc[r][c];                                                           \
+                    a[r][c] += (kind == W_UINT4 ? sum - zc[c] * xsum[r * groups + g] : sum) * sc[c];     \
                 }                                                                                        \
         }                                                                                                \
         for (int r = 0; r < R; r++) {                                                                    \
@@ -153,7 +161,7 @@ QTILES_OF(W_FP8, fp8_tile)
 QTILES_OF(W_INT8, int8_tile)
 QTILES_OF(W_UINT4, uint4_tile)
 typedef void (*qtile_fn)(const float *, int64_t, const uint8_t *, const float *, const float *, int, int,
-                         const float *, float *, int64_t, int);
+                         const float *, int, const float *, float *, int64_t, int);
 /* [kind][rows]: a register tile for each weight kind and strip height (at most QMR rows). */
 static const qtile_fn QTILES[5][9] = {
     {0},
@@ -176,6 +184,22 @@ static void dequantize_panel(const uint8_t *w, int kind, const float *s, const f
     }
 }
 
+/* Each row's sum of x over each group of K, [M][groups]. */
+static void group_sums(const float *x, int64_t ldx, int M, int K, int group, float *out) {
+    const int groups = (K + group - 1) / group;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < groups; g++) {
+            const int k1 = (g + 1) * group < K ? (g + 1) * group : K;
+            int k = g * group;
+            vec v = {};
+            for (; k + LANES <= k1; k += LANES) v += load(x + m * ldx + k);
+            float sum = 0.f;
+            for (int l = 0; l < LANES; l++) sum += v[l];
+            for (; k < k1; k++) sum += x[m * ldx + k];
+            out[m * groups + g] = sum;
+        }
+}
+
 /* y [M][N] (row stride ldy) = x [M][K] (row stride ldx) W^T + bias, W packed as above; `scales`
  * NULL for bf16 and fp8 without scales, `zeros` NULL for the kind's constant zero, `bias` (padded
  * to whole panels) may be NULL. Returns 0, or -1 where a scratch panel cannot be allocated. */
@@ -184,6 +208,12 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
                  int threads) {
     const int n_panels = (N + QNR - 1) / QNR, groups = (K + group - 1) / group;
     const int64_t panel_bytes = (int64_t)K * QNR * (kind == W_BF16 ? 2 : 1) / (kind == W_UINT4 ? 2 : 1);
+    float *xsum = NULL;
+    if (kind == W_UINT4 && M <= DIRECT_ROWS) {
+        xsum = malloc(sizeof(float) * (size_t)M * groups);
+        if (xsum == NULL) return -1;
+        group_sums(x, ldx, M, K, group, xsum);
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -207,11 +237,13 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
             }
             for (int m = 0, strips = (M + QMR - 1) / QMR, i = 0; i < strips; i++) {
                 const int r = M * (i + 1) / strips - M * i / strips;
-                QTILES[kind][r](x + m * ldx, ldx, w, s, z, K, group, b, y + m * ldy + p * QNR, ldy, ncols);
+                QTILES[kind][r](x + m * ldx, ldx, w, s, z, K, group, xsum ? xsum + m * groups : NULL, groups, b,
+                                y + m * ldy + p * QNR, ldy, ncols);
                 m += r;
             }
         }
         free(scratch);
     }
+    free(xsum);
     return failed ? -1 : 0;
 }
