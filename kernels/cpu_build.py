@@ -89,6 +89,8 @@ SIGNATURES = {
     "delta_rule_step_": [_P, _P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32],
     "gelu_tanh_": [_P, _I64, _I32],
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
+    "gated_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _I32],
+    "conv_step_": [_P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32],
     "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],

@@ -61,6 +61,22 @@ void rms_norm(const float *x, const float *delta, float *sum_out, const float *w
     }
 }
 
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w * silu(gate[r]), row by row: the gated RMSNorm a
+ * linear-attention layer ends with (torch: eight ops). Small batches stay on one thread. */
+void gated_rms_norm(const float *x, const float *gate, const float *w, float *out, int64_t rows, int64_t cols,
+                    float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols, *gr = gate + r * cols;
+        float *o = out + r * cols, sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t c = 0; c < cols; c++) sum += xr[c] * xr[c];
+        const float inv = 1.f / sqrtf(sum / (float)cols + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; c++) o[c] = xr[c] * inv * w[c] * (gr[c] / (1.f + mm_expf(-gr[c])));
+    }
+}
+
 /* Rotary embedding in place, rotate_half layout: for each token t and head h of x (rows
  * token_stride apart, heads dim apart), (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin
  * [tokens, dim / 2] shared by the heads. */

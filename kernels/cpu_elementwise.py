@@ -1,6 +1,7 @@
 """Fused elementwise passes in C (`cpu_elementwise.c`) for the CPU path, called via ctypes:
 SiLU-and-multiply for the decoder MLPs, an in-place tanh-GELU for a SigLIP vision tower's MLPs,
-RMSNorm with the residual add folded in, and rotary embedding in place.
+RMSNorm with the residual add folded in, the gated RMSNorm of a linear-attention layer, and rotary
+embedding in place.
 
 Each takes the kernel library of one ISA variant (`cpu_build.load`) and returns None (or False)
 where the kernel does not apply (not float32 on CPU, an odd layout); the caller keeps its torch
@@ -43,6 +44,22 @@ def rms_norm(
         torch.get_num_threads(),
     )
     return x, out
+
+
+def gated_rms_norm(
+    lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """`rms_norm(x) * weight * silu(gate)` over the last dim of `[rows, cols]` x and gate; None
+    where the kernel does not apply."""
+    if not takes(x, gate, weight) or not all(t.is_contiguous() for t in (x, gate, weight)):
+        return None
+    if gate.shape != x.shape or x.dim() != 2:
+        return None
+    out = torch.empty_like(x)
+    rows, cols = x.shape
+    ptrs = (x.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr())
+    lib.gated_rms_norm(*ptrs, rows, cols, eps, torch.get_num_threads())
+    return out
 
 
 def rotary_(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

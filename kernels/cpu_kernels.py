@@ -20,11 +20,11 @@ KERNELS = (
     "prefill",  # paged prefill attention (cpu_prefill.c) in place of SDPA over gathered K/V
     "vision_attention",  # a vision tower's attention (cpu_prefill.c) in place of SDPA
     "kv_write",  # the K/V write (cpu_kv_write.c) in place of index_put_
-    "rms_norm",  # RMSNorm with the residual add (cpu_elementwise.c) in place of add_ + F.rms_norm
+    "rms_norm",  # RMSNorm with the residual add, and the gated one (cpu_elementwise.c), in place of torch
     "rotary",  # rotary embedding in place, in place of the torch halves
     "silu_and_mul",  # silu(gate) * up in one pass, in place of two ops
     "gelu_tanh",  # tanh-GELU in place, in place of F.gelu
-    "delta_rule",  # Gated DeltaNet's decode step in place in the state pool (cpu_linear_attention.c)
+    "delta_rule",  # Gated DeltaNet's decode step and conv, in place in the state pool (cpu_linear_attention)
     "qgemm",  # quantized linears (cpu_qgemm.c) in place of dequantize-then-matmul
 )
 # From bench.kernels_cpu on the 2-core AMD EPYC (Zen 4) development machine, which runs every

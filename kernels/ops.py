@@ -68,6 +68,20 @@ class TorchOps:
         state.index_copy_(0, slots, new)
         return out
 
+    def conv_step_(
+        self, conv: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """The causal depthwise conv + SiLU for one token of each of a batch: `conv` the pool
+        `[rows, channels, width - 1]`, updated in place at rows `slots`; `x` `[batch, channels]`;
+        `weight` `[channels, width]`. Returns `[batch, channels]`."""
+        y, new = gated_delta.causal_conv_step(x, weight, conv[slots])
+        conv.index_copy_(0, slots, new.to(conv.dtype).contiguous())  # contiguous: 10x the copy speed
+        return y
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
+        """`rms_norm(x) * weight * silu(gate)` row by row (a linear-attention layer's output norm)."""
+        return gated_delta.gated_rms_norm(x, gate, weight, eps)
+
     def delta_rule_chunked(self, q, k, v, g, beta, state):
         """One sequence's prefill piece: gated_delta.delta_rule_chunked's contract."""
         return gated_delta.delta_rule_chunked(q, k, v, g, beta, state)
@@ -152,6 +166,20 @@ class CpuOps(TorchOps):
             if out is not None:
                 return out
         return super().delta_rule_step_(state, slots, qkv, g, beta, key_heads)
+
+    def conv_step_(self, conv, slots, x, weight):
+        if self.c_delta:
+            out = cpu_linear_attention.conv_step_(self.lib, conv, slots, x, weight)
+            if out is not None:
+                return out
+        return super().conv_step_(conv, slots, x, weight)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        if self.c_norm:
+            out = cpu_elementwise.gated_rms_norm(self.lib, x, gate, weight, eps)
+            if out is not None:
+                return out
+        return super().gated_rms_norm(x, gate, weight, eps)
 
     def bidirectional_attention(self, query, key, value, scale):
         if self.c_vision:

@@ -42,7 +42,7 @@ def is_hybrid(config) -> bool:
 class _Layout:
     """One step's sequences as the linear layers see them."""
 
-    decode_rows: torch.Tensor | None  # rows of the one-token sequences, batched together
+    decode_rows: torch.Tensor | slice | None  # rows of the one-token sequences (a slice: side by side)
     decode_slots: torch.Tensor | None
     decode_fresh: torch.Tensor | None  # float [decodes]: 0 where a sequence starts here
     # (first row, tokens, slot, continues a state, snapshots: (tokens in, row) each)
@@ -71,7 +71,9 @@ def _layout(meta: AttentionMetadata) -> _Layout:
     dev = meta.slot_mapping.device
     out = _Layout(None, None, None, prefills)
     if rows:
-        out.decode_rows = to_device(rows, torch.long, dev)
+        span = slice(rows[0], rows[0] + len(rows))
+        side_by_side = rows == list(range(span.start, span.stop))  # then views, not gathers
+        out.decode_rows = span if side_by_side else to_device(rows, torch.long, dev)
         out.decode_slots = to_device(dslots, torch.long, dev)
         out.decode_fresh = None if all(fresh) else to_device(fresh, torch.float32, dev)
     if kept:
@@ -82,13 +84,13 @@ def _layout(meta: AttentionMetadata) -> _Layout:
 
 
 class GatedNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, eps: float, ops: TorchOps, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gd.gated_rms_norm(x, gate, self.weight, self.eps)
+        return self.ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -120,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(self.heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
-        self.norm = GatedNorm(self.value_dim, config.rms_norm_eps, dtype)
+        self.norm = GatedNorm(self.value_dim, config.rms_norm_eps, ops, dtype)
         self.out_proj = nn.Linear(values, h, bias=False, dtype=dtype)
 
     def fuse(self) -> None:
@@ -173,13 +175,11 @@ class GatedDeltaNet(nn.Module):
         out = x.new_empty(x.shape[0], self.heads, self.value_dim, dtype=torch.float32)
         if lay.decode_rows is not None:
             rows, slots = lay.decode_rows, lay.decode_slots
-            conv_state = conv[slots]
             if lay.decode_fresh is not None:  # a one-token prompt: nothing before it
                 keep = lay.decode_fresh
-                conv_state = conv_state * keep.view(-1, 1, 1).to(conv.dtype)
+                conv.index_copy_(0, slots, conv[slots] * keep.view(-1, 1, 1).to(conv.dtype))
                 recurrent.index_copy_(0, slots, recurrent[slots] * keep.view(-1, 1, 1, 1))
-            y, conv_state = gd.causal_conv_step(mixed[rows], weight, conv_state)
-            conv.index_copy_(0, slots, conv_state.to(conv.dtype))
+            y = self.ops.conv_step_(conv, slots, mixed[rows], weight)
             out[rows] = self.ops.delta_rule_step_(recurrent, slots, y, g[rows], beta[rows], self.key_heads)
             if lay.decode_snapshots is not None:
                 src, dst = lay.decode_snapshots

@@ -95,3 +95,32 @@ def test_the_c_decode_step_updates_the_pool_in_place_as_the_torch_path(cpu_lib):
         pool, want_pool, rtol=1e-5, atol=1e-5
     )  # other rows untouched, its rows updated
     assert cpu_linear_attention.delta_rule_step_(cpu_lib, pool.double(), slots, qkv, decay, beta, 2) is None
+
+
+@pytest.mark.parametrize("width", [4, 3])  # Qwen3.5's, unrolled; and the general loop
+def test_the_c_conv_step_updates_the_pool_in_place_as_the_torch_path(cpu_lib, width):
+    from mm_engine.kernels import cpu_linear_attention
+    from mm_engine.kernels.ops import TORCH_OPS
+
+    g = torch.Generator().manual_seed(4)
+    pool, weight = torch.randn(6, 40, width - 1, generator=g), torch.randn(40, width, generator=g)
+    wide = torch.randn(3, 70, generator=g)  # the inputs a view into a wider projection, as in the model
+    x, slots = wide[:, 10:50], torch.tensor([4, 0, 2])
+    want_pool = pool.clone()
+    want = TORCH_OPS.conv_step_(want_pool, slots, x, weight)
+    got = cpu_linear_attention.conv_step_(cpu_lib, pool, slots, x, weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool, want_pool, rtol=0, atol=0)  # rows 1, 3, 5 untouched; the rest shifted
+    assert cpu_linear_attention.conv_step_(cpu_lib, pool.double(), slots, x.double(), weight.double()) is None
+
+
+def test_the_c_gated_norm_equals_the_torch_one(cpu_lib):
+    from mm_engine.kernels import cpu_elementwise
+
+    g = torch.Generator().manual_seed(5)
+    x, gate = torch.randn(7, 128, generator=g), torch.randn(7, 128, generator=g)
+    weight = torch.rand(128, generator=g)
+    x[3] = 0  # an all-zero row stays zero
+    got = cpu_elementwise.gated_rms_norm(cpu_lib, x, gate, weight, 1e-6)
+    torch.testing.assert_close(got, gd.gated_rms_norm(x, gate, weight, 1e-6), rtol=1e-5, atol=1e-6)
+    assert cpu_elementwise.gated_rms_norm(cpu_lib, x, gate.t(), weight, 1e-6) is None  # not row-major
