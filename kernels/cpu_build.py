@@ -200,7 +200,7 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
 
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is what the kernels take: float32 on the CPU."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)  # per layer: no device objects
 
 
 def status() -> dict:
