@@ -137,6 +137,24 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
             lambda a=args: cpu_linear_attention.delta_rule_step_(lib, *a),
             lambda a=args: TORCH_OPS.delta_rule_step_(*a),
         ))  # fmt: skip
+        # The conv in front of it (q, k and v channels, width 4; the inputs a view into the wider
+        # projection) and the gated norm after it: counted under `delta_rule` and `rms_norm`.
+        channels = 3 * heads * dk
+        conv, conv_w = torch.randn(batch + 2, channels, 3, generator=g), torch.randn(channels, 4, generator=g)
+        mixed = torch.randn(batch, channels + 2 * heads, generator=g)[:, :channels]
+        conv_args = (conv, slots, mixed, conv_w)
+        out.append((
+            "delta_rule", f"conv step, {batch} seqs x {channels} channels",
+            lambda a=conv_args: cpu_linear_attention.conv_step_(lib, *a),
+            lambda a=conv_args: TORCH_OPS.conv_step_(*a),
+        ))  # fmt: skip
+        y, z = torch.randn(batch * heads, dk, generator=g), torch.randn(batch * heads, dk, generator=g)
+        nw = torch.rand(dk, generator=g)
+        out.append((
+            "rms_norm", f"gated, {batch * heads} x {dk}",
+            lambda y=y, z=z, w=nw: cpu_elementwise.gated_rms_norm(lib, y, z, w, 1e-6),
+            lambda y=y, z=z, w=nw: TORCH_OPS.gated_rms_norm(y, z, w, 1e-6),
+        ))  # fmt: skip
     # Quantized linears (an MLP projection of a 2048-wide model, 128-column groups): the low-bit
     # GEMM against dequantize-then-matmul, at decode and prefill row counts.
     from mm_engine.models.layers.quant_linear import QuantLinear, quantize
