@@ -1,18 +1,18 @@
 """Checkpoints stored quantized (`quantization_config` in config.json), read as they are stored.
 
-Loaded: compressed-tensors' `pack-quantized` weight-only int4/int8 (`PackQuantized`), and
-`quant_method: fp8` (transformers' fine-grained FP8, as the Qwen3-VL and Qwen3.5 `-FP8`
-checkpoints publish it): each converted linear layer stores `weight` in float8 e4m3 and
-`weight_scale_inv`, one float32 scale per block of `weight_block_size` (128 x 128) of the weight:
-w = q * scale. Activations are not quantized ("dynamic" activation scales are a GPU kernel's
-business; here the activations stay float). Layers without a scale (the `modules_to_not_convert`,
-the LM head) load as ordinary weights.
+Loaded: GPTQ and AWQ (models/checkpoint_gptq.py), compressed-tensors' `pack-quantized`
+weight-only int4/int8 (`PackQuantized`), and `quant_method: fp8` (transformers' fine-grained FP8,
+as the Qwen3-VL and Qwen3.5 `-FP8` checkpoints publish it): each converted linear layer stores
+`weight` in float8 e4m3 and `weight_scale_inv`, one float32 scale per block of
+`weight_block_size` (128 x 128) of the weight: w = q * scale. Activations are not quantized
+("dynamic" activation scales are a GPU kernel's business; here the activations stay float).
+Layers without a scale (the `modules_to_not_convert`, the LM head) load as ordinary weights.
 
 Each such layer's weight becomes a `QuantizedWeight` (models/layers/quant_linear.py) with the
 checkpoint's own values and its block scales repeated over each block's rows; `attach` hangs it
 on the loaded module (`prequantized`) and the quantization step turns that module into a
-`QuantLinear` without rounding anything again. Every other `quant_method`, and an FP8 layout this
-does not read, is refused by name: loading one as full precision would give another model.
+`QuantLinear` without rounding anything again. Every other `quant_method`, and a layout or option
+this does not read, is refused by name: loading one as full precision would give another model.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mm_engine.models.checkpoint_gptq import Awq, Gptq, awq_format, gptq_format
+from mm_engine.models.checkpoint_stored import load, split, unpack
 from mm_engine.models.layers.quant_linear import QuantizedWeight
 
 SCALE = ".weight_scale_inv"
@@ -33,11 +35,11 @@ class Fp8Blocks:
     cols: int  # block width (input features): the scales' group
 
     def split(self, state: dict) -> tuple[dict, dict[str, QuantizedWeight]]:
-        return _split(state, SCALE, self._read)
+        return split(state, SCALE, self._read)
 
     def _read(self, out: dict, module: str) -> QuantizedWeight:
-        weight = _load(out.pop(f"{module}.weight"))
-        scales = _load(out.pop(f"{module}{SCALE}")).float()
+        weight = load(out.pop(f"{module}.weight"))
+        scales = load(out.pop(f"{module}{SCALE}")).float()
         n, k = weight.shape
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{module}.weight is {weight.dtype}, not float8_e4m3fn, beside its block scales")
@@ -61,15 +63,15 @@ class PackQuantized:
     (here both kept offset, 0..15)."""
 
     def split(self, state: dict) -> tuple[dict, dict[str, QuantizedWeight]]:
-        return _split(state, ".weight_packed", self._read)
+        return split(state, ".weight_packed", self._read)
 
     def _read(self, out: dict, module: str) -> QuantizedWeight:
-        packed = _load(out.pop(f"{module}.weight_packed"))
-        n, k = (int(v) for v in _load(out.pop(f"{module}.weight_shape")).tolist())
-        scales = _load(out.pop(f"{module}.weight_scale")).float().reshape(n, -1)
+        packed = load(out.pop(f"{module}.weight_packed"))
+        n, k = (int(v) for v in load(out.pop(f"{module}.weight_shape")).tolist())
+        scales = load(out.pop(f"{module}.weight_scale")).float().reshape(n, -1)
         bits = packed.shape[1] * 32 // k
         zero = out.pop(f"{module}.weight_zero_point", None)
-        zero = None if zero is None else _zero_points(_load(zero), bits, n)
+        zero = None if zero is None else _zero_points(load(zero), bits, n)
         raw = packed.contiguous().view(torch.uint8)  # little-endian: value i in byte i x bits / 8
         if bits == 4 and k % 2 == 0:
             pairs = raw[:, : k // 2]
@@ -84,29 +86,15 @@ class PackQuantized:
         )
 
 
-def _split(state: dict, marker: str, read) -> tuple[dict, dict[str, QuantizedWeight]]:
-    """`state` with each stored-quantized layer (found by its `marker` key; `read(state, module)`
-    pops its tensors) replaced by its dequantized float32 weight, so that the module loads as
-    usual, and per module path (`layers.0.mlp.up_proj`) its weight as stored."""
-    out, stored = dict(state), {}
-    for key in [k for k in state if k.endswith(marker)]:
-        module = key[: -len(marker)]
-        stored[module] = read(out, module)
-        out[f"{module}.weight"] = stored[module].dequantize()
-    return out, stored
-
-
 def _zero_points(stored: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     """Zero points as floats `[N, groups]`, offset like the values (0..15 for 4 bits). 4-bit ones
     are packed down the rows: nibble j of word (r, g) is row 8r + j."""
     if bits != 4 or stored.dtype != torch.int32:
         return stored.float().reshape(rows, -1) + (8 if bits == 4 else 0)
-    words = stored.to(torch.int64) & 0xFFFFFFFF
-    nibbles = torch.stack([(words >> (4 * j)) & 15 for j in range(8)], dim=1)  # [R, 8, groups]
-    return nibbles.reshape(-1, stored.shape[1])[:rows].float()
+    return unpack(stored, 4, 0)[:rows].float()
 
 
-def read(config) -> Fp8Blocks | PackQuantized | None:
+def read(config) -> Fp8Blocks | PackQuantized | Gptq | Awq | None:
     """The stored format of a checkpoint's language model (None: full precision); anything this
     engine does not load is refused by its `quant_method`."""
     quant = _quantization_config(config)
@@ -123,9 +111,13 @@ def read(config) -> Fp8Blocks | PackQuantized | None:
                          "it reads block-scaled FP8 weights with dynamic activations")  # fmt: skip
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
+    if method == "gptq":
+        return gptq_format(quant)
+    if method == "awq":
+        return awq_format(quant)
     raise ValueError(
         f"the checkpoint is stored quantized (quant_method={str(method)!r}), which this engine does "
-        "not load yet (it loads 'fp8' and compressed-tensors' 'pack-quantized'); serve the "
+        "not load yet (it loads 'fp8', 'gptq', 'awq' and compressed-tensors'); serve the "
         "full-precision checkpoint with quantization='int8', 'int4', 'fp8' or 'bf16' to round it on load"
     )
 
@@ -176,7 +168,3 @@ def _quantization_config(config) -> dict | None:
         if quant:
             return quant if isinstance(quant, dict) else quant.to_dict()
     return None
-
-
-def _load(ref) -> torch.Tensor:
-    return ref.load() if hasattr(ref, "load") else ref

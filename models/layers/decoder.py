@@ -20,7 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
-from mm_engine.models.layers.mlp import MLP, concat_linears
+from mm_engine.models.layers.mlp import MLP, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
 
@@ -127,6 +127,8 @@ class Attention(nn.Module):
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
         fewer, larger GEMMs, and the input is read once."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
+        if not can_concat(parts):
+            return  # e.g. GPTQ act-order with an input order of each: three matmuls
         self.qkv_proj = concat_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
 

@@ -8,7 +8,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
-from mm_engine.models.layers.quant_linear import concat_weights
+from mm_engine.models.layers.quant_linear import concat_weights, fusable
 from mm_engine.parallel.group import TPGroup
 
 
@@ -39,6 +39,8 @@ class MLP(nn.Module):
         self.ops = ops
 
     def fuse(self) -> None:
+        if not can_concat([self.gate_proj, self.up_proj]):
+            return  # e.g. GPTQ act-order with an input order of each: two matmuls
         self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
@@ -53,6 +55,13 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         out = self.down_proj(self.act(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def can_concat(parts: list[nn.Linear]) -> bool:
+    """Whether `concat_linears` takes these: plain weights, or stored ones that one matmul can
+    compute (models/layers/quant_linear.py `fusable`)."""
+    stored = [getattr(p, "prequantized", None) for p in parts]
+    return all(q is None for q in stored) or (all(q is not None for q in stored) and fusable(stored))
 
 
 def concat_linears(parts: list[nn.Linear]) -> nn.Linear:

@@ -13,6 +13,10 @@ On CPU with the `qgemm` kernel, `QuantLinear` packs the weight once into the ker
 (kernels/cpu_qgemm.py) and keeps nothing else; on the triton backend it runs the Triton kernel on
 `q` as kept (kernels/triton_qgemm.py); elsewhere it multiplies by the dequantized weight (the
 reference: every call rebuilds the float matrix).
+
+Checkpoints stored quantized (models/checkpoint_quant.py) may add two things to a weight: an input
+column order (GPTQ's act-order), which the kernels' paths gather the input by, and an input
+quantization (compressed-tensors' W8A8), applied to the input rows before any path.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 
 from mm_engine.config import QUANTIZATIONS
 from mm_engine.kernels import cpu_gemm, cpu_qgemm
+from mm_engine.models.layers import act_quant
 from mm_engine.parallel.shard import ROW
 
 GROUPS = (128, 64, 32)
@@ -39,29 +44,63 @@ class QuantizedWeight:
     scales: torch.Tensor | None  # float32 [N, K / group]; None for bf16
     zeros: torch.Tensor | None  # float32 [N, K / group]; None: the kind's own (8 for int4, else 0)
     group: int
+    # The input columns in the order `q` stores them (GPTQ's act-order: its groups are contiguous
+    # only so); the layer gathers its input so. None: the natural order.
+    perm: torch.Tensor | None = None
+    # The input's quantization (act_quant.py): None, or "int8"/"fp8" per token, or per tensor at
+    # the stored `act_scale`.
+    act: str | None = None
+    act_scale: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as float32 `[N, K]`."""
+        """The weight as float32 `[N, K]`, its columns in the input's order."""
         values = self.q.float()
-        if self.scales is None:
+        if self.scales is not None:
+            n, k = values.shape
+            values = values.view(n, k // self.group, self.group)
+            zero = self.zeros[..., None] if self.zeros is not None else 8.0 if self.kind == "int4" else 0.0
+            values = ((values - zero) * self.scales[..., None]).view(n, k)
+        if self.perm is None:
             return values
-        n, k = values.shape
-        values = values.view(n, k // self.group, self.group)
-        zero = self.zeros[..., None] if self.zeros is not None else 8.0 if self.kind == "int4" else 0.0
-        return ((values - zero) * self.scales[..., None]).view(n, k)
+        return torch.empty_like(values).index_copy_(1, self.perm, values)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        moved = (None if t is None else t.to(device) for t in (self.q, self.scales, self.zeros))
+        perm, act_scale = (None if t is None else t.to(device) for t in (self.perm, self.act_scale))
+        return QuantizedWeight(self.kind, *moved, self.group, perm, self.act, act_scale)
 
 
 def concat_weights(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one kind and group stacked by rows (fused projections)."""
+    if not fusable(parts):
+        raise ValueError(
+            "projections stored in different formats, input orders (act-order) or input "
+            "quantizations cannot be fused"
+        )
     first = parts[0]
-    if any(
-        p.kind != first.kind or p.group != first.group or (p.zeros is None) != (first.zeros is None)
-        for p in parts
-    ):
-        raise ValueError("projections stored in different formats cannot be fused")
     scales = None if first.scales is None else torch.cat([p.scales for p in parts])
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
-    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), scales, zeros, first.group)
+    q = torch.cat([p.q for p in parts])
+    return QuantizedWeight(first.kind, q, scales, zeros, first.group, first.perm, first.act, first.act_scale)
+
+
+def fusable(parts: list[QuantizedWeight]) -> bool:
+    """Whether the weights can be one matmul: one format, and one input (same order, same
+    quantization)."""
+    first = parts[0]
+    return all(
+        p.kind == first.kind
+        and p.group == first.group
+        and (p.zeros is None) == (first.zeros is None)
+        and p.act == first.act
+        and _same(p.perm, first.perm)
+        and _same(p.act_scale, first.act_scale)
+        for p in parts
+    )
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def group_size(k: int) -> int:
@@ -110,6 +149,7 @@ class QuantLinear(nn.Module):
         self.weight_q: QuantizedWeight | None = None
         self.panels: cpu_qgemm.QPanels | None = None
         self.bias = None if bias is None else bias.detach()
+        self.perm, self.act, self.act_scale = weight.perm, weight.act, weight.act_scale
         if lib is None:
             self.weight_q = weight
             if triton and weight.kind == "int4":  # two to a byte, as the Triton kernel reads them
@@ -127,11 +167,15 @@ class QuantLinear(nn.Module):
         return cls(quantize(linear.weight, kind, group), linear.bias, lib, triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is None and not self.triton:
+        if self.act is not None:
+            x = act_quant.fake_quantize(x, self.act, self.act_scale)
+        if self.panels is None and not self.triton:  # the dequantized weight is in the input's order
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight_q.dequantize().to(x.dtype), bias)
         rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
+        if self.perm is not None:  # the kernels read the columns as stored
+            rows = rows.index_select(1, self.perm)
+        elif rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = self._triton(rows) if self.triton else self._cpu(rows)
         return out.view(*x.shape[:-1], self.out_features)
@@ -171,7 +215,7 @@ def quantize_linears(
     for name, child in list(module.named_children()):
         stored = getattr(child, "prequantized", None)
         if isinstance(child, nn.Linear) and stored is not None:
-            setattr(module, name, QuantLinear(stored, child.bias, lib, triton))
+            setattr(module, name, QuantLinear(stored.to(child.weight.device), child.bias, lib, triton))
             count += 1
         elif name in skip:
             continue

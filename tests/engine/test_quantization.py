@@ -106,22 +106,24 @@ def test_the_head_is_quantized_when_asked(vl_family):
 
 
 @pytest.mark.parametrize(
-    ("method", "refusal"),
+    ("quant", "refusal"),
     [
-        ("gptq", "stored quantized \\(quant_method='gptq'\\), which this engine does not load yet"),
-        ("awq", "quant_method='awq'"),
-        ("compressed-tensors", "compressed-tensors config without config_groups is not loaded"),
-        ("fp8", "FP8 layout \\(weight_block_size=None.*not one this engine loads"),  # per-tensor FP8
+        ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'\\), which this engine"),
+        ({"quant_method": "gptq", "bits": 3}, "GPTQ bits=3 is not loaded"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "GPTQ format 'marlin'"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version='gemv' is not loaded"),
+        ({"quant_method": "compressed-tensors"}, "config without config_groups is not loaded"),
+        ({"quant_method": "fp8"}, "FP8 layout \\(weight_block_size=None.*not one"),  # per-tensor
     ],
 )
-def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_path, method, refusal):
+def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_path, quant, refusal):
     import json
     import shutil
 
     path, _ = vl_family("qwen2_vl")
     copy = shutil.copytree(path, tmp_path / "quantized")
     config = json.loads((copy / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    config["quantization_config"] = quant
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=refusal):
         LLM(str(copy))
@@ -234,3 +236,87 @@ def test_a_pack_quantized_checkpoint_written_by_compressed_tensors_equals_its_de
     stored = [m for m in llm.engine.core.model.language_model.modules() if isinstance(m, QuantLinear)]
     assert stored and {m.kind for m in stored} == {f"int{bits}"}
     assert all((m.weight_q if m.panels is None else m.panels).zeros is None for m in stored) == symmetric
+
+
+def gptq_per_element(t: dict, bits: int) -> torch.Tensor:
+    """GPTQ v1 tensors read one weight at a time, as its format documents them: input k is bits
+    (k mod 32/bits) x bits of qweight[k // (32/bits), n]; its zero point, bits of qzeros[g, n //
+    (32/bits)], plus one; w[n, k] = (q - zero) x scale[g, n], g = g_idx[k]."""
+    per, mask = 32 // bits, 2**bits - 1
+    qweight, qzeros, scales, g_idx = (t[name].tolist() for name in ("qweight", "qzeros", "scales", "g_idx"))
+    w = torch.empty(len(qweight[0]), len(qweight) * per)
+    for k in range(w.shape[1]):
+        g = g_idx[k]
+        for n in range(w.shape[0]):
+            q = (qweight[k // per][n] >> (bits * (k % per))) & mask
+            zero = ((qzeros[g][n // per] >> (bits * (n % per))) & mask) + 1
+            w[n, k] = (q - zero) * scales[g][n]
+    return w
+
+
+def awq_per_element(t: dict, group: int) -> torch.Tensor:
+    """AWQ tensors read one weight at a time: output n is nibble AWQ_ORDER.index(n mod 8) of the
+    word n // 8 of its row (qweight's row k, qzeros' row k // group)."""
+    from helpers.gptq_awq import AWQ_ORDER
+
+    qweight, qzeros, scales = (t[name].tolist() for name in ("qweight", "qzeros", "scales"))
+    w = torch.empty(len(qweight[0]) * 8, len(qweight))
+    for k in range(w.shape[1]):
+        for n in range(w.shape[0]):
+            shift = 4 * AWQ_ORDER.index(n % 8)
+            q, zero = (qweight[k][n // 8] >> shift) & 15, (qzeros[k // group][n // 8] >> shift) & 15
+            w[n, k] = (q - zero) * scales[k // group][n]
+    return w
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric", "act_order"),
+    [(4, 16, False, True), (4, -1, True, False), (8, 16, True, True), (4, 16, True, True)],
+)
+def test_the_gptq_loader_reads_what_a_per_element_reading_does(bits, group, symmetric, act_order):
+    from helpers.gptq_awq import gptq_layer
+    from mm_engine.models.checkpoint_gptq import Gptq
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(bits + group))
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(1)) if act_order else None
+    tensors, meant = gptq_layer(w, bits, 64 if group == -1 else group, symmetric, order, v1=True)
+    state, stored = Gptq(bits, 1).split({f"m.{name}": t for name, t in tensors.items()})
+    reference = gptq_per_element(tensors, bits)
+    assert torch.equal(reference, meant) and torch.equal(stored["m"].dequantize(), reference)
+    assert set(state) == {"m.weight"} and torch.equal(state["m.weight"], reference)
+    assert stored["m"].kind == f"int{bits}" and (stored["m"].zeros is None) == symmetric
+    assert (stored["m"].perm is None) == (not act_order)
+
+
+def test_the_awq_loader_reads_what_a_per_element_reading_does():
+    from helpers.gptq_awq import awq_layer
+    from mm_engine.models.checkpoint_gptq import Awq
+
+    tensors, meant = awq_layer(torch.randn(16, 64, generator=torch.Generator().manual_seed(2)), 16)
+    _, stored = Awq().split({f"m.{name}": t for name, t in tensors.items()})
+    reference = awq_per_element(tensors, 16)
+    assert torch.equal(reference, meant) and torch.equal(stored["m"].dequantize(), reference)
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "backend"),
+    [
+        ("gptq", {"bits": 4, "group": 32, "symmetric": False, "act_order": "shared"}, "cpu"),
+        ("gptq", {"bits": 8, "group": 64, "symmetric": True, "act_order": "each"}, "triton"),
+        ("awq", {"group": 32}, "cpu"),
+    ],
+)
+def test_a_gptq_or_awq_checkpoint_equals_its_dequantized_twin(vl_family, tmp_path, method, options, backend):
+    from helpers.gptq_awq import awq_checkpoint, gptq_checkpoint
+
+    path, _ = vl_family("qwen2_vl")
+    packed, twin = (gptq_checkpoint if method == "gptq" else awq_checkpoint)(path, tmp_path, **options)
+    outs = run_batch_against(FamilyReference(twin), packed, backend, cases("qwen2_vl"))
+    assert len(outs) == 3
+    llm = LLM(packed, attention_backend="cpu", kv_cache_memory_bytes=4 * 1024**2)
+    attn = llm.engine.core.model.language_model.layers[0].self_attn
+    stored = [m for m in llm.engine.core.model.language_model.modules() if isinstance(m, QuantLinear)]
+    assert stored and {m.kind for m in stored} == {f"int{options.get('bits', 4)}"}
+    # act-order: the layers reading one input in one order are fused; in orders of their own, not
+    assert (attn.qkv_proj is None) == (options.get("act_order") == "each")
+    assert all(m.perm is not None for m in stored) == (method == "gptq")

@@ -1,0 +1,38 @@
+"""What the readers of checkpoints stored quantized (models/checkpoint_quant.py) share: the loop
+that swaps each stored layer for its dequantized weight, and the unpacking of int32 words."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mm_engine.models.layers.quant_linear import QuantizedWeight
+
+
+def split(
+    state: dict, marker: str, read: Callable[[dict, str], QuantizedWeight]
+) -> tuple[dict, dict[str, QuantizedWeight]]:
+    """`state` with each stored-quantized layer (found by its `marker` key; `read(state, module)`
+    pops its tensors) replaced by its dequantized float32 weight, so that the module loads as
+    usual, and per module path (`layers.0.mlp.up_proj`) its weight as stored."""
+    out, stored = dict(state), {}
+    for key in [k for k in state if k.endswith(marker)]:
+        module = key[: -len(marker)]
+        stored[module] = read(out, module)
+        out[f"{module}.weight"] = stored[module].dequantize()
+    return out, stored
+
+
+def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 `words` holding 32 / bits unsigned values each (value i at bit i x bits), unpacked
+    along `dim` (0 or 1): value i of word (r, c) lands at row r x 32 / bits + i (dim 0) or column
+    c x 32 / bits + i (dim 1). int64 values."""
+    unsigned = words.to(torch.int64) & 0xFFFFFFFF
+    values = [(unsigned >> (bits * i)) & ((1 << bits) - 1) for i in range(32 // bits)]
+    return torch.stack(values, dim=dim + 1).flatten(dim, dim + 1)
+
+
+def load(ref) -> torch.Tensor:
+    """A checkpoint tensor, read now if it is a reference (models/weights.py `WeightRef`)."""
+    return ref.load() if hasattr(ref, "load") else ref
