@@ -36,3 +36,17 @@ def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def load(ref) -> torch.Tensor:
     """A checkpoint tensor, read now if it is a reference (models/weights.py `WeightRef`)."""
     return ref.load() if hasattr(ref, "load") else ref
+
+
+def block_scales(module: str, scales: torch.Tensor, rows: int, cols: int, n: int, k: int):
+    """Scales of `rows` x `cols` blocks of an `n` x `k` weight as the per-row form
+    (`[N, K / group]`) and its group (the block width, or all of K when narrower)."""
+    if k % cols and k > cols:
+        raise ValueError(f"{module}: {k} input features are not whole {cols}-wide blocks")
+    group = min(cols, k)
+    per_row = scales.float().repeat_interleave(rows, dim=0)[:n]
+    if per_row.shape != (n, -(-k // group)):
+        raise ValueError(
+            f"{module}: block scales of shape {tuple(scales.shape)} do not fit a {n} x {k} weight"
+        )
+    return per_row.contiguous(), group

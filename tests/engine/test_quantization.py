@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.families import family_prompt, run_batch_against
+from helpers.families import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
 from helpers.images import make_image
 from helpers.reference import FamilyReference
 from mm_engine import LLM
@@ -181,31 +181,39 @@ def test_an_fp8_checkpoint_loads_as_stored_and_equals_its_dequantized_twin(
 
 
 INT4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}
+FP8 = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False}
+INT8 = {"type": "int", "num_bits": 8, "symmetric": True, "dynamic": False}
 
 
 @pytest.mark.parametrize(
     ("group", "refusal"),
     [
-        (
-            {"format": "float-quantized", "weights": {"type": "float", "num_bits": 8}},
-            "format='float-quantized'",
-        ),
+        ({"format": "nvfp4-pack-quantized", "weights": {**FP8, "num_bits": 4}}, "format='nvfp4-pack"),
         ({"weights": {**INT4, "actorder": "group"}}, "actorder='group'"),
         ({"weights": INT4, "input_activations": {"num_bits": 8}}, "input_activations="),
+        (
+            {"format": "float-quantized", "weights": {**FP8, "strategy": "channel"},
+             "input_activations": {**FP8, "dynamic": True, "strategy": "group", "group_size": 128}},
+            "input_activations.strategy='group'",
+        ),
+        (
+            {"format": "int-quantized", "weights": {**INT8, "strategy": "channel"},
+             "input_activations": {**INT8, "dynamic": True, "strategy": "token", "symmetric": False}},
+            "input_activations.symmetric=False",
+        ),
+        ({"format": "int-quantized", "weights": {**INT8, "symmetric": False}}, "symmetric=False"),
     ],
-)
+)  # fmt: skip
 def test_compressed_tensors_options_not_loaded_are_refused_by_name(vl_family, tmp_path, group, refusal):
+    """(One config group; several with different formats or input schemes are refused too.)"""
     import json
     import shutil
 
     path, _ = vl_family("qwen2_vl")
     copy = shutil.copytree(path, tmp_path / "ct")
     config = json.loads((copy / "config.json").read_text())
-    quant = {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {"group_0": group},
-    }
+    groups = {"group_0": group}
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
     (copy / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     with pytest.raises(ValueError, match=refusal):
         LLM(str(copy))
@@ -320,3 +328,72 @@ def test_a_gptq_or_awq_checkpoint_equals_its_dequantized_twin(vl_family, tmp_pat
     # act-order: the layers reading one input in one order are fused; in orders of their own, not
     assert (attn.qkv_proj is None) == (options.get("act_order") == "each")
     assert all(m.perm is not None for m in stored) == (method == "gptq")
+
+
+def test_input_quantization_equals_the_compressed_tensors_librarys():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from mm_engine.models.layers.act_quant import fake_quantize as engine_fake_quantize
+
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3)) * 4
+    x[0, 2] = 0  # a zero row: the scale is eps
+    for kind, args in (("int8", INT8), ("fp8", FP8)):
+        token = QuantizationArgs(**{**args, "dynamic": True, "strategy": "token"})
+        scale, zero = compute_dynamic_scales_and_zp(x, token, module=None)
+        assert torch.equal(engine_fake_quantize(x[0], kind), fake_quantize(x, scale, zero, token)[0])
+        static = QuantizationArgs(**{**args, "strategy": "tensor"})
+        at = torch.tensor([0.02])
+        assert torch.equal(engine_fake_quantize(x, kind, at), fake_quantize(x, at, torch.zeros(1), static))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "weights", "inputs", "backend"),
+    [
+        ("float-quantized", {**FP8, "strategy": "block", "block_structure": [128, 128]},
+         {**FP8, "dynamic": True, "strategy": "token"}, "cpu"),  # FP8_BLOCK weights, FP8_DYNAMIC inputs
+        ("float-quantized", {**FP8, "strategy": "tensor"}, {**FP8, "strategy": "tensor"}, "torch"),  # FP8
+        ("int-quantized", {**INT8, "strategy": "channel"},
+         {**INT8, "dynamic": True, "strategy": "token"}, "cpu"),  # W8A8
+    ],
+)  # fmt: skip
+def test_a_w8a8_checkpoint_written_by_compressed_tensors_runs_as_the_library_runs_it(
+    vl_family, tmp_path, fmt, weights, inputs, backend
+):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from helpers.compressed import compressed_checkpoint, dequantized_twin, input_quantized_reference
+
+    path, _ = vl_family("qwen2_vl")
+    stored, twin = tmp_path / "stored", tmp_path / "twin"
+    compressed_checkpoint(path, stored, fmt, QuantizationArgs(**weights), QuantizationArgs(**inputs))
+    dequantized_twin(stored, twin)
+    ref = input_quantized_reference(stored, twin)
+    llm = engine(str(stored), backend)
+    batch = cases("qwen2_vl")
+    outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch], [greedy(n) for *_, n in batch])
+    for out, (text, imgs, n) in zip(outs, batch, strict=True):
+        assert_equal_but_near_ties(ref, text, imgs, n, out.outputs[0].token_ids)
+    assert_all_free(llm)
+    layers = [m for m in llm.engine.core.model.language_model.modules() if isinstance(m, QuantLinear)]
+    kind = "fp8" if weights["type"] == "float" else "int8"
+    assert layers
+    assert {(m.kind, m.act, m.act_scale is None) for m in layers} == {(kind, kind, inputs["dynamic"])}
+
+
+def assert_equal_but_near_ties(ref, text: str, imgs: list, n: int, tokens: list[int], tie: float = 0.05):
+    """The engine's greedy `tokens` equal transformers' up to the first step where transformers'
+    two candidates are within `tie` of each other: quantizing the input turns the last bits of a
+    sum (the engine adds in another order) into a step of the int8/fp8 grid now and then, which
+    moves a random tiny model's logits by about 1e-2 (an input 1e-6 off flips such a tie)."""
+    inputs = ref.inputs(text, imgs)
+    with torch.inference_mode():
+        out = ref.model.generate(
+            **inputs, max_new_tokens=n, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+    expected = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    step = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None)
+    if step is not None:
+        scores = out.scores[step][0]
+        assert scores[expected[step]] - scores[tokens[step]] < tie, (text, tokens, expected)
