@@ -27,7 +27,7 @@ from mm_engine.kernels.host_copy import to_device
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers.decoder import DecoderLM, RMSNorm
-from mm_engine.models.layers.mlp import MLP, concat_linears
+from mm_engine.models.layers.mlp import MLP, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
 
@@ -127,7 +127,10 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> None:
         """The four input projections as one matmul."""
-        self.in_proj = concat_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if not can_concat(parts):
+            return  # e.g. GPTQ act-order with an input order of each: four matmuls
+        self.in_proj = concat_linears(parts)
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def _project(self, x: torch.Tensor):
@@ -223,6 +226,8 @@ class GatedAttention(nn.Module):
         self.ops = ops
 
     def fuse(self) -> None:
+        if not can_concat([self.q_proj, self.k_proj, self.v_proj]):
+            return
         self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 

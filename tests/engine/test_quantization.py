@@ -330,6 +330,21 @@ def test_a_gptq_or_awq_checkpoint_equals_its_dequantized_twin(vl_family, tmp_pat
     assert all(m.perm is not None for m in stored) == (method == "gptq")
 
 
+def test_a_hybrid_model_keeps_projections_with_input_orders_of_their_own_unfused(vl_family, tmp_path):
+    from helpers.gptq_awq import gptq_checkpoint
+
+    path, _ = vl_family("qwen3_5")
+    options = {"bits": 4, "group": 32, "symmetric": True, "act_order": "each"}
+    packed, twin = gptq_checkpoint(path, tmp_path, **options)
+    outs = run_batch_against(FamilyReference(twin), packed, "cpu", cases("qwen3_5")[2:])
+    assert len(outs) == 1
+    llm = LLM(packed, attention_backend="cpu", kv_cache_memory_bytes=4 * 1024**2)
+    layers = llm.engine.core.model.language_model.layers
+    linear = next(layer.linear_attn for layer in layers if layer.linear)
+    full = next(layer.self_attn for layer in layers if not layer.linear)
+    assert linear.in_proj is None and full.qkv_proj is None
+
+
 def test_input_quantization_equals_the_compressed_tensors_librarys():
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize

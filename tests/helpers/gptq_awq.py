@@ -19,13 +19,19 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def language_projections(state: dict[str, torch.Tensor]) -> list[str]:
-    """The keys of the language model's projection weights (the vision tower's and projector's left
-    out): the layers a quantized checkpoint of a VL model stores quantized."""
+    """The keys of the language model's projection weights (`*_proj`, Qwen3.5's `in_proj_*` too;
+    the vision tower's and projector's left out, and any with fewer than 8 outputs or a number not
+    whole int32 words of zero points, which a quantizer leaves as they are): the layers a quantized
+    checkpoint of a VL model stores quantized."""
     vision = ("visual", "vision", "merger", "projector")
     return [
         k
         for k, w in state.items()
-        if k.endswith("_proj.weight") and w.dim() == 2 and not any(v in k for v in vision)
+        if k.endswith(".weight")
+        and "proj" in k.split(".")[-2]
+        and w.dim() == 2
+        and w.shape[0] % 8 == 0
+        and not any(v in k for v in vision)
     ]
 
 
