@@ -6,7 +6,10 @@ and a chat job, and how far the greedy output moves from fp32's.
                               [--batch-sizes 1,8,32] [--json bench/results/quantized.json]
 
 Each setting is an engine of its own on the same checkpoint (the cpu backend, its C kernels);
-`KIND+head` quantizes the LM head too (`quantize_lm_head`).
+`KIND+head` quantizes the LM head too (`quantize_lm_head`). All engines are built first and the
+decode steps are timed in `--rounds` rounds over every setting in turn (the median of the rounds'
+medians), so that a drift in the machine's memory bandwidth (on a shared VM, 30% between runs
+minutes apart) falls on every setting alike.
 Bytes a decode step reads: every linear layer's stored weight (the quantized panels and their
 scales, the LM head's float32 panels) plus the KV of the batch, over the read bandwidth measured
 in the same run. Agreement: over the caption and chat outputs, the share of greedy tokens equal to
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size (median)")
     ap.add_argument("--jobs", type=int, default=4, help="images and questions in the caption and chat jobs")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--kv-gib", type=float, default=6.0, help="KV (and state) memory of each engine")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of decode-step timing over the settings")
+    ap.add_argument("--kv-gib", type=float, default=2.0, help="KV (and state) memory of each engine")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -120,21 +124,32 @@ def main(argv: list[str] | None = None) -> dict:
     path = vlm.resolve_model(args.model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     bandwidth = memory_bytes_per_s()
-    rows, fp32 = [], None
-    for setting in args.settings.split(","):
+    settings = args.settings.split(",")
+    engines = {}
+    for setting in settings:
         kind, _, head = setting.partition("+")  # "int4+head": the LM head quantized too
-        llm = LLM(path, attention_backend="cpu", quantization=None if kind == "fp32" else kind,
-                  quantize_lm_head=head == "head", max_num_seqs=max(batches),
-                  kv_cache_memory_bytes=int(args.kv_gib * 1024**3))  # fmt: skip
+        engines[setting] = LLM(path, attention_backend="cpu", quantization=None if kind == "fp32" else kind,
+                               quantize_lm_head=head == "head", max_num_seqs=max(batches),
+                               kv_cache_memory_bytes=int(args.kv_gib * 1024**3))  # fmt: skip
+        step_seconds(engines[setting], 1, 16, 4, seed=99)  # warm-up: first-touch of the KV memory
+    medians: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in settings}
+    for _ in range(args.rounds):
+        for setting in settings:
+            for b in batches:
+                times = step_seconds(engines[setting], b, args.context, args.steps, seed=b)
+                medians[setting][b].append(statistics.median(times))
+    rows, fp32 = [], None
+    for setting in settings:
+        llm = engines[setting]
         core = llm.engine.core
-        step_seconds(llm, 1, 16, 4, seed=99)  # warm-up: first-touch of the KV memory, allocator
         wbytes = weight_bytes(core.model.language_model)
         kv_token = core.kv.spec.bytes_per_block // core.kv.spec.block_size
         steps = {}
         for b in batches:
-            med = statistics.median(step_seconds(llm, b, args.context, args.steps, seed=b))
+            med = statistics.median(medians[setting][b])
             bound = (wbytes + b * (args.context + 1) * kv_token) / bandwidth
-            steps[b] = {"ms": med * 1e3, "roofline_ms": bound * 1e3, "of_roofline": bound / med}
+            steps[b] = {"ms": med * 1e3, "roofline_ms": bound * 1e3, "of_roofline": bound / med,
+                        "rounds_ms": [m * 1e3 for m in medians[setting][b]]}  # fmt: skip
         done = jobs(llm, path, args.jobs, args.max_tokens)
         row = {"setting": setting, "weight_bytes": wbytes, "compute": core.platform.quantized_compute(),
                "steps": steps, "caption_s": done["caption"]["seconds"],
