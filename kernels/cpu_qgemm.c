@@ -71,21 +71,19 @@ static inline vec from_int8(const uint8_t *p) { return __builtin_convertvector(w
 static inline ivec bytes(const uint8_t *p) { return widen_u8(p); }
 #if MM_VEC_BYTES == 64
 #define NIBBLE_TABLE (vec){0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f}
-static inline vec low_nibbles_u(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)v, (__m512)NIBBLE_TABLE); }
-static inline vec high_nibbles_u(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)(v >> 4), (__m512)NIBBLE_TABLE); }
+static inline vec low_nibbles(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)v, (__m512)NIBBLE_TABLE); }
+static inline vec high_nibbles(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)(v >> 4), (__m512)NIBBLE_TABLE); }
 #else
-static inline vec low_nibbles_u(ivec v) { return __builtin_convertvector(v & 15, vec); }
-static inline vec high_nibbles_u(ivec v) { return __builtin_convertvector(v >> 4, vec); }
+static inline vec low_nibbles(ivec v) { return __builtin_convertvector(v & 15, vec); }
+static inline vec high_nibbles(ivec v) { return __builtin_convertvector(v >> 4, vec); }
 #endif
-static inline vec low_nibbles(ivec v) { return __builtin_convertvector((v & 15) - 8, vec); }
-static inline vec high_nibbles(ivec v) { return __builtin_convertvector((v >> 4) - 8, vec); }
 
 /* The stored values of weight row k, vector c of a panel, as floats (int4 signed: q - 8). A tile
  * reads an int4 byte once for both of its k (low_nibbles, high_nibbles); this reads one. */
 static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
     if (kind == W_UINT4) {
         const ivec b = bytes(w + (k / 2) * QNR + c * LANES);
-        return k % 2 ? high_nibbles(b) : low_nibbles(b);
+        return (k % 2 ? high_nibbles(b) : low_nibbles(b)) - 8.f;
     }
     const uint8_t *p = w + (k * QNR + c * LANES) * (kind == W_BF16 ? 2 : 1);
     return kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p) : from_int8(p);
@@ -124,8 +122,8 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
                 for (int c = 0; c < QNV; c++) {                                                          \
                     if (kind == W_UINT4) {                                                               \
                         const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);                   \
-                        q[0][c] = low_nibbles_u(b);                                                      \
-                        q[STEP - 1][c] = high_nibbles_u(b);                                              \
+                        q[0][c] = low_nibbles(b);                                                      \
+                        q[STEP - 1][c] = high_nibbles(b);                                              \
                     } else {                                                                             \
                         q[0][c] = stored_values(w, kind, k, c);                                          \
                     }                                                                                    \
