@@ -20,6 +20,12 @@ from mm_engine.testing import build_checkpoint  # noqa: E402
 torch.set_num_threads(2)
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per CPU this process may use, at most eight
+    (each worker builds its own session checkpoints, so more stop paying)."""
+    return min(len(os.sched_getaffinity(0)), 8)
+
+
 @pytest.fixture(scope="session")
 def clip_llama(tmp_path_factory) -> str:
     return str(build_checkpoint("llava", tmp_path_factory.mktemp("clip_llama"), vision="clip", text="llama"))
