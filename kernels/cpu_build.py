@@ -91,6 +91,11 @@ SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "gated_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "conv_step_": [_P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32],
+    "gated_delta_decode_": [
+        *(_P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64),  # conv, state, slots, mixed, z, b, a and strides
+        *(_P, _P, _P, _P, _F32, _P),  # conv weight, A_log, dt_bias, norm weight, eps, out
+        *(_I64, _I32, _I32, _I32, _I32, _I32, _I32),  # batch, heads, key heads, dk, dv, width, threads
+    ],
     "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],

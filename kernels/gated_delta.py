@@ -18,10 +18,29 @@ model's dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 CHUNK = 64
+
+
+class DeltaWeights(NamedTuple):
+    """What a linear-attention layer's decode step reads besides its inputs and states."""
+
+    conv: torch.Tensor  # [channels, width]: the depthwise conv's taps
+    a_log: torch.Tensor  # [heads]: the decay's log rate
+    dt_bias: torch.Tensor  # [heads]
+    norm: torch.Tensor  # [value_dim]: the gated RMSNorm's weight
+    eps: float
+    key_heads: int
+
+
+def gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """The write strength beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias),
+    `[tokens, heads]` each (g in float32)."""
+    return b.sigmoid(), -a_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

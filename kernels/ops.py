@@ -82,6 +82,21 @@ class TorchOps:
         """`rms_norm(x) * weight * silu(gate)` row by row (a linear-attention layer's output norm)."""
         return gated_delta.gated_rms_norm(x, gate, weight, eps)
 
+    def gated_delta_decode_(
+        self, conv: torch.Tensor, recurrent: torch.Tensor, slots: torch.Tensor, mixed: torch.Tensor,
+        z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: gated_delta.DeltaWeights,
+    ) -> torch.Tensor:  # fmt: skip
+        """A linear-attention layer's decode for a batch of one-token sequences, after its input
+        projection (`mixed` `[batch, channels]`, `z` `[batch, heads * value_dim]`, b and a `[batch,
+        heads]`): the conv step, the gates, the delta rule step (both pools updated in place at
+        rows `slots`) and the gated norm. Returns `[batch, heads * value_dim]` in z's dtype."""
+        beta, g = gated_delta.gates(b, a, w.a_log, w.dt_bias)
+        y = self.conv_step_(conv, slots, mixed, w.conv)
+        out = self.delta_rule_step_(recurrent, slots, y, g, beta, w.key_heads)
+        n, heads, dv = out.shape
+        rows = out.to(z.dtype).view(n * heads, dv)
+        return self.gated_rms_norm(rows, z.reshape(n * heads, dv), w.norm, w.eps).view(n, heads * dv)
+
     def delta_rule_chunked(self, q, k, v, g, beta, state):
         """One sequence's prefill piece: gated_delta.delta_rule_chunked's contract."""
         return gated_delta.delta_rule_chunked(q, k, v, g, beta, state)
@@ -173,6 +188,14 @@ class CpuOps(TorchOps):
             if out is not None:
                 return out
         return super().conv_step_(conv, slots, x, weight)
+
+    def gated_delta_decode_(self, conv, recurrent, slots, mixed, z, b, a, w):
+        if self.c_delta and self.c_norm:
+            c = cpu_linear_attention.gated_delta_decode_
+            out = c(self.lib, conv, recurrent, slots, mixed, z, b, a, w)
+            if out is not None:
+                return out
+        return super().gated_delta_decode_(conv, recurrent, slots, mixed, z, b, a, w)
 
     def gated_rms_norm(self, x, gate, weight, eps):
         if self.c_norm:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mm_engine.kernels import gated_delta as gd
@@ -134,15 +133,11 @@ class GatedDeltaNet(nn.Module):
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def _project(self, x: torch.Tensor):
+        """mixed (q | k | v before the conv), z, b and a: views into one matmul's output where fused."""
         if self.in_proj is not None:
-            mixed, z, b, a = self.in_proj(x).split(
-                [sum(self.widths), self.heads * self.value_dim, *[self.heads] * 2], -1
-            )
-        else:
-            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return mixed, z, beta, g
+            widths = [sum(self.widths), self.heads * self.value_dim, self.heads, self.heads]
+            return self.in_proj(x).split(widths, -1)
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def _qkv(self, y: torch.Tensor):
         n = y.shape[0]
@@ -173,28 +168,39 @@ class GatedDeltaNet(nn.Module):
         """`conv` `[slots, channels, kernel - 1]` and `recurrent` `[slots, heads, key_dim,
         value_dim]`: this layer's state pool tensors, updated in place for every sequence."""
         lay = _layout(meta)
-        mixed, z, beta, g = self._project(x)
+        mixed, z, b, a = self._project(x)
+        t, heads, dv = x.shape[0], self.heads, self.value_dim
         weight = self.conv1d.weight[:, 0]
-        out = x.new_empty(x.shape[0], self.heads, self.value_dim, dtype=torch.float32)
+        out = None
         if lay.decode_rows is not None:
             rows, slots = lay.decode_rows, lay.decode_slots
             if lay.decode_fresh is not None:  # a one-token prompt: nothing before it
                 keep = lay.decode_fresh
                 conv.index_copy_(0, slots, conv[slots] * keep.view(-1, 1, 1).to(conv.dtype))
                 recurrent.index_copy_(0, slots, recurrent[slots] * keep.view(-1, 1, 1, 1))
-            y = self.ops.conv_step_(conv, slots, mixed[rows], weight)
-            out[rows] = self.ops.delta_rule_step_(recurrent, slots, y, g[rows], beta[rows], self.key_heads)
+            norm = self.norm
+            w = gd.DeltaWeights(weight, self.A_log, self.dt_bias, norm.weight, norm.eps, self.key_heads)
+            inputs = mixed[rows], z[rows], b[rows], a[rows]
+            decoded = self.ops.gated_delta_decode_(conv, recurrent, slots, *inputs, w)
             if lay.decode_snapshots is not None:
                 src, dst = lay.decode_snapshots
                 conv.index_copy_(0, dst, conv.index_select(0, src))
                 recurrent.index_copy_(0, dst, recurrent.index_select(0, src))
-        for row, n, slot, continues, snaps in lay.prefills:
-            self._prefill(mixed, g, beta, weight, out, conv, recurrent, row, n, slot, continues, snaps)
-        t = x.shape[0]
-        normed = self.norm(
-            out.to(x.dtype).view(t * self.heads, self.value_dim), z.reshape(t * self.heads, -1)
-        )
-        out = self.out_proj(normed.view(t, -1))
+            if not lay.prefills:  # every row a decode, in order
+                out = decoded
+            else:
+                out = x.new_empty(t, heads * dv)
+                out[rows] = decoded
+        if lay.prefills:
+            out = x.new_empty(t, heads * dv) if out is None else out
+            beta, g = gd.gates(b, a, self.A_log, self.dt_bias)
+            raw = x.new_empty(t, heads, dv, dtype=torch.float32)
+            for row, n, slot, continues, snaps in lay.prefills:
+                self._prefill(mixed, g, beta, weight, raw, conv, recurrent, row, n, slot, continues, snaps)
+                part = slice(row, row + n)
+                normed = self.norm(raw[part].to(x.dtype).view(n * heads, dv), z[part].reshape(n * heads, dv))
+                out[part] = normed.view(n, heads * dv)
+        out = self.out_proj(out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

@@ -124,3 +124,38 @@ def test_the_c_gated_norm_equals_the_torch_one(cpu_lib):
     got = cpu_elementwise.gated_rms_norm(cpu_lib, x, gate, weight, 1e-6)
     torch.testing.assert_close(got, gd.gated_rms_norm(x, gate, weight, 1e-6), rtol=1e-5, atol=1e-6)
     assert cpu_elementwise.gated_rms_norm(cpu_lib, x, gate.t(), weight, 1e-6) is None  # not row-major
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_c_linear_attention_decode_equals_the_torch_ops_it_fuses(cpu_lib, batch):
+    """Conv step, gates, delta rule and gated norm in one C call, against TorchOps' composition of
+    the same steps: both pools updated in place at the sequences' rows only. The inputs are views
+    into one projection as in the model, and the gates cover softplus' pass-through (a + dt_bias
+    past 20) and both signs of b."""
+    from mm_engine.kernels import cpu_linear_attention
+    from mm_engine.kernels.ops import TORCH_OPS
+
+    g = torch.Generator().manual_seed(6)
+    key_heads, heads, dk, dv, width = 2, 4, 32, 48, 4
+    channels = 2 * key_heads * dk + heads * dv
+    conv, state = torch.randn(6, channels, width - 1, generator=g), torch.randn(6, heads, dk, dv, generator=g)
+    proj = torch.randn(batch, channels + heads * dv + 2 * heads, generator=g)
+    proj[:, -heads:] *= 12  # a: softplus' both branches
+    mixed, z, b, a = proj.split([channels, heads * dv, heads, heads], -1)
+    slots = torch.tensor([4, 0, 2][:batch])
+    taps, a_log, dt_bias = (
+        torch.randn(channels, width, generator=g),
+        torch.rand(heads, generator=g),
+        torch.rand(heads, generator=g),
+    )
+    w = gd.DeltaWeights(taps, a_log, dt_bias * 4, torch.rand(dv, generator=g) + 0.5, 1e-6, key_heads)
+    want_conv, want_state = conv.clone(), state.clone()
+    want = TORCH_OPS.gated_delta_decode_(want_conv, want_state, slots, mixed, z, b, a, w)
+    got = cpu_linear_attention.gated_delta_decode_(cpu_lib, conv, state, slots, mixed, z, b, a, w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    assert (
+        cpu_linear_attention.gated_delta_decode_(cpu_lib, conv, state.double(), slots, mixed, z, b, a, w)
+        is None
+    )
