@@ -2,14 +2,16 @@
 at batch 1, 8 and 32 against fp32 and against the roofline of the bytes the step reads, a caption
 and a chat job, and how far the greedy output moves from fp32's.
 
-    python -m bench.quantized [--model bench-qwen2.5-vl] [--settings fp32,bf16,fp8,int8,int4,int4+head]
-                              [--batch-sizes 1,8,32] [--json bench/results/quantized.json]
+    python -m bench.quantized [--model bench-qwen2.5-vl] [--batch-sizes 1,8,32]
+                              [--settings fp32,bf16,fp8,int8,int4,w8a8,w4a8,int4+head]
+                              [--json bench/results/quantized.json]
 
 Each setting is an engine of its own on the same checkpoint (the cpu backend, its C kernels);
-`KIND+head` quantizes the LM head too (`quantize_lm_head`). All engines are built first and the
-decode steps are timed in `--rounds` rounds over every setting in turn (the median of the rounds'
-medians), so that a drift in the machine's memory bandwidth (on a shared VM, 30% between runs
-minutes apart) falls on every setting alike.
+`KIND+head` quantizes the LM head too (`quantize_lm_head`); w8a8 and w4a8 round the inputs to
+int8 per token as well (the integer kernel where the CPU has AVX-512 VNNI). All engines are
+built first and the decode steps are timed in `--rounds` rounds over every setting in turn (the
+median of the rounds' medians), so that a drift in the machine's memory bandwidth (on a shared
+VM, 30% between runs minutes apart) falls on every setting alike.
 Bytes a decode step reads: every linear layer's stored weight (the quantized panels and their
 scales, the LM head's float32 panels) plus the KV of the batch, over the read bandwidth measured
 in the same run. Agreement: over the caption and chat outputs, the share of greedy tokens equal to
@@ -40,8 +42,12 @@ def weight_bytes(lm: nn.Module) -> int:
     total = 0
     for m in lm.modules():
         if isinstance(m, QuantLinear):
-            p = m.panels
-            parts = (p.weights, p.scales, p.zeros) if p is not None else (m.weight_q.q, m.weight_q.scales)
+            if m.a8 is not None:
+                parts = (m.a8.weights, m.a8.scales, m.a8.zeros, m.a8.wsum)
+            elif m.panels is not None:
+                parts = (m.panels.weights, m.panels.scales, m.panels.zeros)
+            else:
+                parts = (m.weight_q.q, m.weight_q.scales)
             total += sum(t.nbytes for t in parts if t is not None)
         elif isinstance(m, PanelLinear):
             total += m.panels.nbytes
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--jobs", type=int, default=4, help="images and questions in the caption and chat jobs")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of decode-step timing over the settings")
-    ap.add_argument("--kv-gib", type=float, default=2.0, help="KV (and state) memory of each engine")
+    ap.add_argument("--kv-gib", type=float, default=1.5, help="KV (and state) memory of each engine")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -128,9 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     engines = {}
     for setting in settings:
         kind, _, head = setting.partition("+")  # "int4+head": the LM head quantized too
+        # No snapshot rows: they would take state slots, hence seats, and prefix reuse is not timed.
         engines[setting] = LLM(path, attention_backend="cpu", quantization=None if kind == "fp32" else kind,
                                quantize_lm_head=head == "head", max_num_seqs=max(batches),
-                               kv_cache_memory_bytes=int(args.kv_gib * 1024**3))  # fmt: skip
+                               kv_cache_memory_bytes=int(args.kv_gib * 1024**3),
+                               num_state_snapshots=0)  # fmt: skip
         step_seconds(engines[setting], 1, 16, 4, seed=99)  # warm-up: first-touch of the KV memory
     medians: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in settings}
     for _ in range(args.rounds):
