@@ -48,6 +48,7 @@ SOURCES = [
         "cpu_kv_write",
         "cpu_linear_attention",
         "cpu_qgemm",
+        "cpu_qgemm_a8",
     )
 ]
 HEADERS = [HERE / "cpu_simd.h"]
@@ -100,6 +101,8 @@ SIGNATURES = {
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],
     "qgemm_panels": [_P, _I64, _P, _I32, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],
+    "qgemm_a8_available": [],
+    "qgemm_a8_panels": [_P, _I64, _P, _P, _I32, _P, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "write_kv": [
         *(_P, _I64, _I64, _P, _I64, _I64),  # key and value with their token and head strides
         *(_P, _P, _I64, _I64, _I64),  # k and v cache, their block, slot and head strides

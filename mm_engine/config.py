@@ -10,7 +10,9 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3
-QUANTIZATIONS = ("bf16", "fp8", "int8", "int4")  # `quantization` on load
+# `quantization` on load: weight-only, or (w8a8, w4a8) int8 or int4 weights with the inputs rounded
+# to int8 per token as well (vLLM's W8A8 dynamic; integer dot products on AVX-512 VNNI)
+QUANTIZATIONS = ("bf16", "fp8", "int8", "int4", "w8a8", "w4a8")
 
 
 def default_model_path() -> Path:
@@ -53,7 +55,8 @@ class EngineConfig:
     cpu_packed_weights: bool = True  # CPU: linears through oneDNN with weights packed at load time
     # The language model's linear layers (not the vision tower, the embeddings or the LM head)
     # rounded on load to "bf16", "fp8", "int8" or "int4" weights (weight-only; a scale per row and
-    # group of 128 inputs), computed by the CPU's low-bit GEMM (models/layers/quant_linear.py).
+    # group of 128 inputs), or "w8a8" / "w4a8" (int8 / int4 weights, inputs rounded to int8 per
+    # token), computed by the CPU's low-bit GEMMs (models/layers/quant_linear.py).
     quantization: str | None = None
     quantize_lm_head: bool = False  # the LM head too (it is a large share of a small model's bytes)
     # CPU: keep freed tensor memory in glibc's heap (mm_engine.pools.cpu_memory). It changes the whole

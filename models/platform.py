@@ -18,12 +18,12 @@ from torch import nn
 from transformers.activations import GELUTanh
 
 from mm_engine.config import EngineConfig
-from mm_engine.kernels import cpu_build, cpu_kernels
+from mm_engine.kernels import cpu_build, cpu_kernels, cpu_qgemm_a8
 from mm_engine.kernels.backend import AttentionBackend, get_backend, resolve_backend_name
 from mm_engine.kernels.cpu_kernels import CpuKernels
 from mm_engine.kernels.ops import TorchOps, ops_for
 from mm_engine.models.layers.packed_linear import pack_linears, panel_linears
-from mm_engine.models.layers.quant_linear import quantize_linears
+from mm_engine.models.layers.quant_linear import INT8_INPUTS, quantize_linears
 
 log = logging.getLogger(__name__)
 # The name a vision tower's attention goes by when the engine's ops run it (`adapt_vision_tower`).
@@ -60,7 +60,11 @@ class Platform:
         dequantizing reference."""
         if self.backend.name == "triton":
             return "triton"
-        return f"qgemm-{self.kernels.variant}" if self.qgemm_lib() is not None else "dequantize"
+        lib = self.qgemm_lib()
+        if lib is None:
+            return "dequantize"
+        vnni = self.quantization in INT8_INPUTS and cpu_qgemm_a8.available(lib)
+        return f"qgemm-{self.kernels.variant}" + ("-int8-vnni" if vnni else "")
 
     def qgemm_lib(self):
         return self.kernels.lib if self.kernels is not None and self.kernels.uses("qgemm") else None

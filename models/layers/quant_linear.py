@@ -1,6 +1,6 @@
 """Linear layers with low-bit weights: the language model's projections quantized on load
-(`quantization`: bf16, fp8, int8 or int4, weight-only), computed without a float32 copy of the
-weight on CPU.
+(`quantization`: bf16, fp8, int8 or int4, weight-only; w8a8 and w4a8, the input rounded to int8
+per token as well), computed without a float32 copy of the weight on CPU.
 
 A weight is stored as `q` `[N, K]` with a float32 scale per output row and group of `group`
 columns of K (and for int4 a zero point): w = (q - zero) * scale. int8 and int4 are symmetric
@@ -16,7 +16,9 @@ reference: every call rebuilds the float matrix).
 
 Checkpoints stored quantized (models/checkpoint_quant.py) may add two things to a weight: an input
 column order (GPTQ's act-order), which the kernels' paths gather the input by, and an input
-quantization (compressed-tensors' W8A8), applied to the input rows before any path.
+quantization (compressed-tensors' W8A8), applied to the input rows before any path. With int8
+inputs and int8 or int4 weights on a CPU with AVX-512 VNNI, the integer kernel
+(kernels/cpu_qgemm_a8.py) rounds the input itself and multiplies in integers.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_engine.config import QUANTIZATIONS
-from mm_engine.kernels import cpu_gemm, cpu_qgemm
+from mm_engine.kernels import cpu_gemm, cpu_qgemm, cpu_qgemm_a8
 from mm_engine.models.layers import act_quant
 from mm_engine.parallel.shard import ROW
 
 GROUPS = (128, 64, 32)
+INT8_INPUTS = {"w8a8": "int8", "w4a8": "int4"}  # quantization -> weight kind, inputs int8 per token
 _RANGE = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 
 
@@ -103,15 +106,25 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
+def weight_form(w: QuantizedWeight) -> tuple[str, int, int]:
+    """(kind, K, group): what decides which kernels can take the weight."""
+    return w.kind, w.q.shape[1], w.group
+
+
 def group_size(k: int) -> int:
     return next((g for g in GROUPS if k % g == 0), k)
 
 
 def quantize(weight: torch.Tensor, kind: str, group: int | None = None) -> QuantizedWeight:
     """Round a float weight `[N, K]` to `kind`, one scale per row and `group` columns (None:
-    `group_size(K)`; see the module docstring)."""
+    `group_size(K)`; see the module docstring). w8a8 and w4a8: int8 and int4 weights whose layer
+    rounds its input to int8 per token too."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+    if kind in INT8_INPUTS:
+        rounded = quantize(weight, INT8_INPUTS[kind], group)
+        rounded.act = "int8"
+        return rounded
     w = weight.detach().float()
     n, k = w.shape
     if kind == "bf16":
@@ -148,6 +161,7 @@ class QuantLinear(nn.Module):
         self.kind, self.lib, self.triton = weight.kind, lib, triton
         self.weight_q: QuantizedWeight | None = None
         self.panels: cpu_qgemm.QPanels | None = None
+        self.a8: cpu_qgemm_a8.A8Panels | None = None
         self.bias = None if bias is None else bias.detach()
         self.perm, self.act, self.act_scale = weight.perm, weight.act, weight.act_scale
         if lib is None:
@@ -156,7 +170,11 @@ class QuantLinear(nn.Module):
                 self.packed_int4 = cpu_qgemm.int4_bytes(weight.q)
             return
         width = cpu_gemm.panel_width(lib)
-        self.panels = cpu_qgemm.pack(weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width)
+        stored = weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width
+        if weight.act == "int8" and cpu_qgemm_a8.available(lib) and cpu_qgemm_a8.fits(*weight_form(weight)):
+            self.a8 = cpu_qgemm_a8.pack(*stored)  # int8 inputs: integer dot products (VNNI)
+        else:
+            self.panels = cpu_qgemm.pack(*stored)
         self.bias = cpu_gemm.padded_bias(self.bias, width)
 
     @classmethod
@@ -167,25 +185,26 @@ class QuantLinear(nn.Module):
         return cls(quantize(linear.weight, kind, group), linear.bias, lib, triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.a8 is not None:  # rounds its input itself, as fake_quantize would
+            out = cpu_qgemm_a8.qgemm_a8(self.lib, self._rows(x), self.a8, self.act_scale, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.act is not None:
             x = act_quant.fake_quantize(x, self.act, self.act_scale)
         if self.panels is None and not self.triton:  # the dequantized weight is in the input's order
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight_q.dequantize().to(x.dtype), bias)
-        rows = x.reshape(-1, self.in_features)
-        if self.perm is not None:  # the kernels read the columns as stored
-            rows = rows.index_select(1, self.perm)
-        elif rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = self._triton(rows) if self.triton else self._cpu(rows)
+        rows = self._rows(x)
+        out = self._triton(rows) if self.triton else cpu_qgemm.qgemm(self.lib, rows, self.panels, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _cpu(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.dtype != torch.float32 or rows.device.type != "cpu":
-            raise TypeError(
-                f"QuantLinear's CPU kernel takes float32 CPU input, got {rows.dtype} on {rows.device}"
-            )
-        return cpu_qgemm.qgemm(self.lib, rows, self.panels, self.bias)
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the kernels read it: `[M, K]` with unit column stride, in the stored order."""
+        if not self.triton and (x.dtype != torch.float32 or x.device.type != "cpu"):
+            raise TypeError(f"QuantLinear's CPU kernel takes float32 CPU input, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.in_features)
+        if self.perm is not None:  # the kernels read the columns as stored
+            return rows.index_select(1, self.perm)
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
 
     def _triton(self, rows: torch.Tensor) -> torch.Tensor:
         from mm_engine.kernels import triton_qgemm
@@ -197,6 +216,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         path = "cpu kernel" if self.panels is not None else "triton" if self.triton else "dequantize"
+        path = "cpu int8-input kernel" if self.a8 is not None else path
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, {path}"
 
 

@@ -15,7 +15,8 @@ from helpers.families import assert_all_free, engine, family_prompt, greedy, mm,
 from helpers.images import make_image
 from helpers.reference import FamilyReference
 from mm_engine import LLM
-from mm_engine.models.layers.quant_linear import QuantLinear, quantize
+from mm_engine.models.layers.act_quant import fake_quantize
+from mm_engine.models.layers.quant_linear import INT8_INPUTS, QuantLinear, quantize
 
 
 def cases(family: str) -> list:
@@ -28,13 +29,17 @@ def cases(family: str) -> list:
 
 def quantized_reference(path: str, kind: str, head: bool = False) -> FamilyReference:
     """transformers with every linear layer of the language model (the head too with `head`)
-    replaced by its dequantized `kind` weight: what the engine computes, summed in another order."""
+    replaced by its dequantized `kind` weight: what the engine computes, summed in another order.
+    w8a8, w4a8: those layers' inputs fake-quantized to int8 per token too, as compressed-tensors
+    runs a W8A8 checkpoint (act_quant.py, pinned to the library below)."""
     ref = FamilyReference(path)
     lm = ref.model.model.language_model
     with torch.no_grad():
         for module in lm.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(quantize(module.weight, kind).dequantize())
+                if kind in INT8_INPUTS:
+                    module.register_forward_pre_hook(lambda _, args: (fake_quantize(args[0], "int8"),))
         if head:  # a new tensor: a head tied to the embeddings leaves them as they are
             ref.model.lm_head.weight = nn.Parameter(quantize(ref.model.lm_head.weight, kind).dequantize())
     return ref
@@ -63,12 +68,23 @@ def references(vl_family):
         ("qwen3_5", "int4", "torch"),
         ("qwen2_vl", "int4", "cpu"),  # biases on q, k and v
         ("qwen2_vl", "int8", "torch"),
+        ("qwen3_5", "w4a8", "cpu"),  # int8 inputs: the VNNI kernel where the CPU has it
+        ("qwen2_vl", "w8a8", "cpu"),
+        ("qwen2_vl", "w8a8", "torch"),
     ],
 )
 def test_quantized_tokens_equal_transformers_on_the_dequantized_weights(
     vl_family, references, family, kind, backend
 ):
     path, ref = references(family, kind)
+    if kind in INT8_INPUTS:  # a sum's last bits can step an input over the int8 grid: near ties
+        llm = engine(path, backend, quantization=kind)
+        batch = cases(family)
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in batch], [greedy(n) for *_, n in batch])
+        for out, (text, imgs, n) in zip(outs, batch, strict=True):
+            assert_equal_but_near_ties(ref, text, imgs, n, out.outputs[0].token_ids)
+        assert_all_free(llm)
+        return
     outs = run_batch_against(ref, path, backend, cases(family), quantization=kind)
     if kind == "int4":  # the rounding shows: the full-precision model says something else
         _, full = vl_family(family)
@@ -87,6 +103,19 @@ def test_only_the_language_models_linears_are_quantized_and_the_platform_says_ho
     assert not any(isinstance(m, QuantLinear) for m in model.visual.modules())
     info = llm.engine.core.platform.info()
     assert info["quantization"] == "int4" and info["quantized_compute"].startswith("qgemm-")
+
+
+def test_int8_inputs_take_the_integer_kernel_where_the_cpu_has_vnni(vl_family):
+    from mm_engine.kernels import cpu_qgemm_a8
+
+    path, _ = vl_family("qwen2_vl")
+    llm = LLM(path, attention_backend="cpu", quantization="w4a8", kv_cache_memory_bytes=4 * 1024**2)
+    core = llm.engine.core
+    layers = [m for m in core.model.language_model.modules() if isinstance(m, QuantLinear)]
+    vnni = cpu_qgemm_a8.available(core.platform.qgemm_lib())
+    assert layers and all(m.kind == "int4" and m.act == "int8" for m in layers)
+    assert all((m.a8 is not None) == vnni and (m.panels is None) == vnni for m in layers)
+    assert core.platform.info()["quantized_compute"].endswith("-int8-vnni") == vnni
 
 
 def test_a_bad_quantization_is_refused_by_name(vl_family):
