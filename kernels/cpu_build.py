@@ -101,7 +101,7 @@ SIGNATURES = {
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],
     "qgemm_panels": [_P, _I64, _P, _I32, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],
-    "qgemm_a8_available": [],
+    "qgemm_a8_kinds": [],
     "qgemm_a8_panels": [_P, _I64, _P, _P, _I32, _P, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "write_kv": [
         *(_P, _I64, _I64, _P, _I64, _I64),  # key and value with their token and head strides

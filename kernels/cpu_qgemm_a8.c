@@ -1,6 +1,6 @@
 /* y = x W^T + b with the input rounded to int8 per row (W8A8 / W4A8): integer dot products
- * where the CPU has AVX-512 VNNI (`vpdpbusd`: 64 multiply-adds of a byte and a signed byte an
- * instruction, summed in int32), instead of widening every weight to float32. Weight-only int4
+ * (AVX-512 VNNI `vpdpbusd`: 64 multiply-adds of a byte and a signed byte an instruction, summed
+ * in int32; AVX2: vpmaddubsw + vpmaddwd), instead of widening every weight to float32. Weight-only int4
  * at one row is bound by that widening (docs/cpu.md), not by memory; here a weight byte is used
  * as it is loaded.
  *
@@ -17,8 +17,9 @@
  *   8i + 4 + j in its high one, the stored values 0..15 (unsigned, as vpdpbusd wants them); the
  *   zero point (8, or `zeros`) comes off as zero times the group's sum of x.
  *
- * Built in every variant; only the avx512 build has the kernel (`qgemm_a8_available` says whether
- * this CPU runs it); the others answer 0 and the caller keeps the fake-quantized float path.
+ * Built in every variant: avx512 takes int8 and int4 weights where the CPU has VNNI, avx2 int4
+ * weights (see dot4); `qgemm_a8_kinds` says which here, and for the rest the caller keeps the
+ * fake-quantized float path.
  */
 #include <float.h>
 #include <math.h>
@@ -65,75 +66,96 @@ static void quantize_rows(const float *x, int64_t ldx, int M, int K, int group, 
     }
 }
 
+/* The ISA's 4-byte dot product: each 32-bit lane of acc plus the sum of 4 products of an unsigned
+ * byte of u and a signed byte of s. AVX-512 VNNI: one instruction, never saturating (int8 weights
+ * take it, their x + 128 reaching 255). AVX2: vpmaddubsw then vpmaddwd, whose 16-bit pair sums
+ * saturate past 32767, so only int4 weights (u at most 15: pairs up to 3840) take it. */
 #if MM_VEC_BYTES == 64
 #include <immintrin.h>
 #define A8_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define A8_KINDS (1 << A8_INT8 | 1 << A8_INT4)
+A8_TARGET static inline ivec dot4(ivec acc, ivec u, ivec s) {
+    return (ivec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+}
+static int a8_cpu(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+}
+#elif MM_VEC_BYTES == 32 && defined(__AVX2__)
+#include <immintrin.h>
+#define A8_TARGET
+#define A8_KINDS (1 << A8_INT4)
+static inline ivec dot4(ivec acc, ivec u, ivec s) {
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+    return acc + (ivec)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+static int a8_cpu(void) { return 1; } /* the variant loads only where AVX2 runs */
+#endif
+
+#ifdef A8_KINDS
+static inline ivec load_bytes(const uint8_t *p) {
+    ivec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline ivec splat4(const uint8_t *p) { /* 4 bytes in every 32-bit lane */
+    int32_t x;
+    memcpy(&x, p, 4);
+    return (ivec){} + x;
+}
 
 /* R rows x NR columns of one panel, all of K. */
 #define A8_TILE(NAME, R, KIND)                                                                           \
-    static A8_TARGET __attribute__((noinline)) void NAME(                                               \
+    A8_TARGET static __attribute__((noinline)) void NAME(                                               \
         const uint8_t *xq, int K, const float *xscale, const int32_t *xsum, const uint8_t *w,             \
         const float *s, const float *z, const int32_t *wsum, int group, const float *bias, float *y,       \
         int64_t ldy, int ncols) {                                                                        \
         const int groups = K / group;                                                                    \
-        __m512 a[R][A8NV];                                                                               \
+        vec a[R][A8NV];                                                                                  \
         for (int r = 0; r < R; r++)                                                                      \
-            for (int c = 0; c < A8NV; c++) a[r][c] = _mm512_setzero_ps();                                \
-        const __m512i low4 = _mm512_set1_epi8(0x0F);                                                     \
+            for (int c = 0; c < A8NV; c++) a[r][c] = (vec){};                                            \
+        const ivec low4 = (ivec){} + 0x0F0F0F0F;                                                         \
         for (int g = 0; g < groups; g++) {                                                               \
-            __m512i acc[R][A8NV];                                                                        \
+            ivec acc[R][A8NV];                                                                           \
             for (int r = 0; r < R; r++)                                                                  \
-                for (int c = 0; c < A8NV; c++) acc[r][c] = _mm512_setzero_si512();                       \
+                for (int c = 0; c < A8NV; c++) acc[r][c] = (ivec){};                                     \
             for (int k = g * group; k < (g + 1) * group; k += KIND == A8_INT4 ? 8 : 4) {                 \
                 for (int c = 0; c < A8NV; c++) {                                                         \
-                    const int64_t at = (int64_t)(KIND == A8_INT4 ? k / 8 : k / 4) * A8NR * 4 + c * 64;     \
-                    const __m512i v = _mm512_loadu_si512((const void *)(w + at));                         \
+                    const int64_t at = (int64_t)(KIND == A8_INT4 ? k / 8 : k / 4) * A8NR * 4 + c * MM_VEC_BYTES; \
+                    const ivec v = load_bytes(w + at);                                                   \
                     if (KIND == A8_INT8) {                                                               \
-                        for (int r = 0; r < R; r++) {                                                    \
-                            int32_t x4;                                                                  \
-                            memcpy(&x4, xq + (int64_t)r * K + k, 4);                                     \
-                            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], _mm512_set1_epi32(x4), v);        \
-                        }                                                                                \
+                        for (int r = 0; r < R; r++) acc[r][c] = dot4(acc[r][c], splat4(xq + (int64_t)r * K + k), v); \
                     } else {                                                                             \
-                        const __m512i lo = _mm512_and_si512(v, low4);                                    \
-                        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);              \
+                        const ivec lo = v & low4, hi = (ivec)((uint32_t __attribute__((vector_size(MM_VEC_BYTES))))v >> 4) & low4; \
                         for (int r = 0; r < R; r++) {                                                    \
-                            int32_t x0, x1;                                                              \
-                            memcpy(&x0, xq + (int64_t)r * K + k, 4);                                     \
-                            memcpy(&x1, xq + (int64_t)r * K + k + 4, 4);                                 \
-                            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo, _mm512_set1_epi32(x0));       \
-                            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi, _mm512_set1_epi32(x1));       \
+                            acc[r][c] = dot4(acc[r][c], lo, splat4(xq + (int64_t)r * K + k));            \
+                            acc[r][c] = dot4(acc[r][c], hi, splat4(xq + (int64_t)r * K + k + 4));        \
                         }                                                                                \
                     }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
             for (int c = 0; c < A8NV; c++) {                                                             \
-                const __m512 sc = _mm512_loadu_ps(s + (int64_t)g * A8NR + c * LANES);                   \
+                const vec sc = load(s + (int64_t)g * A8NR + c * LANES);                                  \
                 if (KIND == A8_INT8) {                                                                   \
-                    const __m512i off = _mm512_slli_epi32(                                               \
-                        _mm512_loadu_si512((const void *)(wsum + (int64_t)g * A8NR + c * LANES)), 7);      \
-                    for (int r = 0; r < R; r++) {                                                        \
-                        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], off));         \
-                        a[r][c] = _mm512_fmadd_ps(sum, sc, a[r][c]);                                     \
-                    }                                                                                    \
+                    ivec off;                                                                            \
+                    memcpy(&off, wsum + (int64_t)g * A8NR + c * LANES, sizeof off);                      \
+                    for (int r = 0; r < R; r++)                                                          \
+                        a[r][c] += __builtin_convertvector(acc[r][c] - (off << 7), vec) * sc;            \
                 } else {                                                                                 \
-                    const __m512 zc = z ? _mm512_loadu_ps(z + (int64_t)g * A8NR + c * LANES)             \
-                                        : _mm512_set1_ps(8.f);                                           \
+                    const vec zc = z ? load(z + (int64_t)g * A8NR + c * LANES) : splat(8.f);             \
                     for (int r = 0; r < R; r++) {                                                        \
-                        const __m512 xs = _mm512_set1_ps((float)xsum[r * groups + g]);                   \
-                        const __m512 sum = _mm512_fnmadd_ps(zc, xs, _mm512_cvtepi32_ps(acc[r][c]));      \
-                        a[r][c] = _mm512_fmadd_ps(sum, sc, a[r][c]);                                     \
+                        const vec sum = __builtin_convertvector(acc[r][c], vec) - zc * (float)xsum[r * groups + g]; \
+                        a[r][c] += sum * sc;                                                             \
                     }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
         for (int r = 0; r < R; r++) {                                                                    \
             float row[A8NR];                                                                             \
-            const __m512 xs = _mm512_set1_ps(xscale[r]);                                                 \
             for (int c = 0; c < A8NV; c++) {                                                             \
-                __m512 out = _mm512_mul_ps(a[r][c], xs);                                                 \
-                if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + c * LANES));                   \
-                _mm512_storeu_ps(row + c * LANES, out);                                                  \
+                vec out = a[r][c] * xscale[r];                                                           \
+                if (bias) out += load(bias + c * LANES);                                                 \
+                store(row + c * LANES, out);                                                             \
             }                                                                                            \
             memcpy(y + r * ldy, row, sizeof(float) * ncols);                                             \
         }                                                                                                \
@@ -153,18 +175,16 @@ static const a8_tile_fn A8_TILES[2][A8_ROWS + 1] = {
     {0, a8_int4_1, a8_int4_2, a8_int4_3, a8_int4_4},
 };
 
-int qgemm_a8_available(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-}
+/* Which weight kinds this build and CPU multiply with int8 inputs: bit KINDS[kind] (cpu_qgemm.py). */
+int qgemm_a8_kinds(void) { return a8_cpu() ? A8_KINDS : 0; }
 
 /* y [M][N] (row stride ldy) = quantize(x) W^T + bias; `static_scale` NULL for a scale per row.
  * `zeros` (int4) NULL for 8; `wsum` (int8) the packed column sums per group. Returns 0, -1 where
- * scratch cannot be allocated, -2 where this CPU has no VNNI. */
+ * scratch cannot be allocated, -2 where this build or CPU does not take `kind`. */
 int qgemm_a8_panels(const float *x, int64_t ldx, const float *static_scale, const uint8_t *panels, int kind,
                     const float *scales, const float *zeros, const int32_t *wsum, int group, const float *bias,
                     float *y, int64_t ldy, int M, int N, int K, int threads) {
-    if (!qgemm_a8_available()) return -2;
+    if (!(qgemm_a8_kinds() >> kind & 1)) return -2;
     const int n_panels = (N + A8NR - 1) / A8NR, groups = K / group;
     const int64_t panel_bytes = (int64_t)K * A8NR / (kind == A8_INT4 ? 2 : 1);
     uint8_t *xq = malloc((size_t)M * K);
@@ -193,7 +213,7 @@ int qgemm_a8_panels(const float *x, int64_t ldx, const float *static_scale, cons
     return 0;
 }
 #else
-int qgemm_a8_available(void) { return 0; }
+int qgemm_a8_kinds(void) { return 0; }
 
 int qgemm_a8_panels(const float *x, int64_t ldx, const float *static_scale, const uint8_t *panels, int kind,
                     const float *scales, const float *zeros, const int32_t *wsum, int group, const float *bias,

@@ -1,5 +1,5 @@
-"""The integer GEMM with the input rounded to int8 per row (`cpu_qgemm_a8.c`, AVX-512 VNNI):
-int8 or int4 weights, called via ctypes.
+"""The integer GEMM with the input rounded to int8 per row (`cpu_qgemm_a8.c`: AVX-512 VNNI for
+int8 and int4 weights, AVX2 for int4), called via ctypes.
 
 `pack` lays a quantized weight out for it once, at load time (4 consecutive k of a column in one
 32-bit lane, as `vpdpbusd` reads them); `qgemm_a8` quantizes the input as compressed-tensors does
@@ -31,8 +31,10 @@ class A8Panels:
     k: int
 
 
-def available(lib: ctypes.CDLL | None) -> bool:
-    return lib is not None and bool(lib.qgemm_a8_available())
+def available(lib: ctypes.CDLL | None, kind: str = "int4") -> bool:
+    """Whether this library and CPU multiply `kind` weights by int8 inputs (avx512 with VNNI: int8
+    and int4; avx2: int4)."""
+    return lib is not None and kind in KINDS and bool(lib.qgemm_a8_kinds() >> KINDS[kind] & 1)
 
 
 def fits(kind: str, k: int, group: int) -> bool:
@@ -79,7 +81,7 @@ def qgemm_a8(
             panels.k, torch.get_num_threads(),
         )  # fmt: skip
         if status == -2:
-            raise RuntimeError("the int8-input GEMM needs AVX-512 VNNI, which this CPU lacks")
+            raise RuntimeError(f"the int8-input GEMM does not take {panels.kind} weights on this CPU")
         if status:
             raise MemoryError("the int8-input GEMM could not allocate its scratch")
     return out

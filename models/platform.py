@@ -63,8 +63,9 @@ class Platform:
         lib = self.qgemm_lib()
         if lib is None:
             return "dequantize"
-        vnni = self.quantization in INT8_INPUTS and cpu_qgemm_a8.available(lib)
-        return f"qgemm-{self.kernels.variant}" + ("-int8-vnni" if vnni else "")
+        kind = INT8_INPUTS.get(self.quantization or "")
+        integer = kind is not None and cpu_qgemm_a8.available(lib, kind)
+        return f"qgemm-{self.kernels.variant}" + ("-int8-inputs" if integer else "")
 
     def qgemm_lib(self):
         return self.kernels.lib if self.kernels is not None and self.kernels.uses("qgemm") else None

@@ -171,8 +171,9 @@ class QuantLinear(nn.Module):
             return
         width = cpu_gemm.panel_width(lib)
         stored = weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width
-        if weight.act == "int8" and cpu_qgemm_a8.available(lib) and cpu_qgemm_a8.fits(*weight_form(weight)):
-            self.a8 = cpu_qgemm_a8.pack(*stored)  # int8 inputs: integer dot products (VNNI)
+        kind, k, group = weight_form(weight)
+        if weight.act == "int8" and cpu_qgemm_a8.available(lib, kind) and cpu_qgemm_a8.fits(kind, k, group):
+            self.a8 = cpu_qgemm_a8.pack(*stored)  # int8 inputs: integer dot products
         else:
             self.panels = cpu_qgemm.pack(*stored)
         self.bias = cpu_gemm.padded_bias(self.bias, width)

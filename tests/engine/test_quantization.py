@@ -105,17 +105,17 @@ def test_only_the_language_models_linears_are_quantized_and_the_platform_says_ho
     assert info["quantization"] == "int4" and info["quantized_compute"].startswith("qgemm-")
 
 
-def test_int8_inputs_take_the_integer_kernel_where_the_cpu_has_vnni(vl_family):
+def test_int8_inputs_take_the_integer_kernel_where_the_cpu_has_it(vl_family):
     from mm_engine.kernels import cpu_qgemm_a8
 
     path, _ = vl_family("qwen2_vl")
     llm = LLM(path, attention_backend="cpu", quantization="w4a8", kv_cache_memory_bytes=4 * 1024**2)
     core = llm.engine.core
     layers = [m for m in core.model.language_model.modules() if isinstance(m, QuantLinear)]
-    vnni = cpu_qgemm_a8.available(core.platform.qgemm_lib())
+    vnni = cpu_qgemm_a8.available(core.platform.qgemm_lib(), "int4")  # avx512 + VNNI, or avx2
     assert layers and all(m.kind == "int4" and m.act == "int8" for m in layers)
     assert all((m.a8 is not None) == vnni and (m.panels is None) == vnni for m in layers)
-    assert core.platform.info()["quantized_compute"].endswith("-int8-vnni") == vnni
+    assert core.platform.info()["quantized_compute"].endswith("-int8-inputs") == vnni
 
 
 def test_a_bad_quantization_is_refused_by_name(vl_family):

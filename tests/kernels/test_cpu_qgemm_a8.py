@@ -1,7 +1,8 @@
-"""The int8-input GEMM (kernels/cpu_qgemm_a8.c, AVX-512 VNNI) against the path it replaces: the
-input fake-quantized as compressed-tensors does (act_quant.py), times the dequantized weight.
-int8 and int4 weights (symmetric and with zero points), per-group and per-row groups, widths that
-end mid-panel, row counts across its 4-row tiles, bias, a static input scale, a strided input."""
+"""The int8-input GEMM (kernels/cpu_qgemm_a8.c: AVX-512 VNNI for int8 and int4 weights, AVX2 for
+int4) on every variant this CPU runs that takes the weight kind, against the path it replaces:
+the input fake-quantized as compressed-tensors does (act_quant.py), times the dequantized weight.
+Symmetric int4 and int4 with zero points, per-group and per-row groups, widths that end mid-panel,
+row counts across its 4-row tiles, bias, a static input scale, a strided input."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mm_engine.kernels import cpu_build, cpu_qgemm_a8
+from mm_engine.kernels import cpu_qgemm_a8
 from mm_engine.models.layers.act_quant import fake_quantize
 from mm_engine.models.layers.quant_linear import QuantizedWeight, QuantLinear, quantize
 
-needs_vnni = pytest.mark.skipif(
-    not cpu_qgemm_a8.available(cpu_build.load("avx512") if cpu_build.supported("avx512") else None),
-    reason="the int8-input GEMM needs AVX-512 VNNI, which this CPU lacks",
-)
+
+def _taking(lib, kind: str) -> None:
+    if not cpu_qgemm_a8.available(lib, kind):
+        pytest.skip(f"this variant (or this CPU: AVX-512 without VNNI) has no int8-input GEMM for {kind}")
 
 
 def _case(kind: str, n: int, k: int, group: int | None, zeros: bool, seed: int) -> QuantizedWeight:
@@ -28,14 +29,14 @@ def _case(kind: str, n: int, k: int, group: int | None, zeros: bool, seed: int) 
     return w
 
 
-@needs_vnni
 @pytest.mark.parametrize(("kind", "zeros"), [("int8", False), ("int4", False), ("int4", True)])
 @pytest.mark.parametrize(
     ("n", "k", "group"), [(100, 256, None), (48, 128, 32), (7, 64, 64), (130, 1024, None)]
 )
 @torch.inference_mode()
-def test_the_int8_input_kernel_equals_the_fake_quantized_path(kind, zeros, n, k, group):
-    lib = cpu_build.load("avx512")
+def test_the_int8_input_kernel_equals_the_fake_quantized_path(cpu_lib, kind, zeros, n, k, group):
+    _taking(cpu_lib, kind)
+    lib = cpu_lib
     w = _case(kind, n, k, group, zeros, seed=n + k)
     bias = torch.randn(n)
     fast = QuantLinear(w, bias, lib)
@@ -52,11 +53,12 @@ def test_the_int8_input_kernel_equals_the_fake_quantized_path(kind, zeros, n, k,
     assert fast(x[:0]).shape == (0, n)
 
 
-@needs_vnni
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @torch.inference_mode()
-def test_a_static_input_scale_is_used_as_given():
-    lib = cpu_build.load("avx512")
-    w = _case("int8", 64, 128, None, False, seed=7)
+def test_a_static_input_scale_is_used_as_given(cpu_lib, kind):
+    _taking(cpu_lib, kind)
+    lib = cpu_lib
+    w = _case(kind, 64, 128, None, False, seed=7)
     w.act_scale = torch.tensor([0.01])  # small: many inputs clamp to the int8 range
     fast = QuantLinear(w, None, lib)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
@@ -75,3 +77,12 @@ def test_weights_whose_groups_are_not_whole_lanes_keep_the_float_path(cpu_lib):
         layer(x), F.linear(fake_quantize(x, "int8"), w.dequantize()), rtol=1e-5, atol=1e-5
     )
     assert not cpu_qgemm_a8.fits("int4", 12, 12) and cpu_qgemm_a8.fits("int8", 12, 12)
+
+
+def test_each_variant_takes_the_kinds_its_instructions_sum_exactly(cpu_variant, cpu_lib):
+    """avx2's vpmaddubsw pairs saturate past 32767: int4 weights (at most 15) fit, int8 (x + 128
+    up to 255) do not; AVX-512 VNNI never saturates; the portable build has none."""
+    int8, int4 = (cpu_qgemm_a8.available(cpu_lib, kind) for kind in ("int8", "int4"))
+    expected = {"avx2": (False, True), "portable": (False, False)}.get(cpu_variant, (int4, int4))
+    assert (int8, int4) == expected
+    assert not cpu_qgemm_a8.available(cpu_lib, "fp8") and not cpu_qgemm_a8.available(None, "int4")
