@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.device import TEST_DEVICE
-from mm_engine.config import QUANTIZATIONS
+from mm_engine.config import WEIGHT_KINDS
 from mm_engine.kernels.cpu_qgemm import int4_bytes
 from mm_engine.kernels.triton_qgemm import qgemm
 from mm_engine.models.layers.quant_linear import QuantizedWeight, QuantLinear, quantize
@@ -20,7 +20,7 @@ def _on(*xs):
     return [None if x is None else x.to(TEST_DEVICE) for x in xs]
 
 
-@pytest.mark.parametrize("kind", QUANTIZATIONS)
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
 @pytest.mark.parametrize(("n", "k", "rows"), [(40, 64, 3), (100, 256, 17), (70, 96, 1)])
 def test_the_kernel_equals_the_dequantized_weight(kind, n, k, rows):
     g = torch.Generator().manual_seed(n + k)
