@@ -148,6 +148,20 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
             lambda a=conv_args: cpu_linear_attention.conv_step_(lib, *a),
             lambda a=conv_args: TORCH_OPS.conv_step_(*a),
         ))  # fmt: skip
+        # The whole decode after the input projection in one call (conv, gates, delta rule, gated
+        # norm) against TorchOps' composition of the same steps in torch.
+        from mm_engine.kernels.gated_delta import DeltaWeights
+
+        proj = torch.randn(batch, channels + heads * dk + 2 * heads, generator=g)
+        parts = proj.split([channels, heads * dk, heads, heads], -1)
+        dw = DeltaWeights(conv_w, torch.rand(heads, generator=g), torch.rand(heads, generator=g),
+                          torch.rand(dk, generator=g), 1e-6, heads)  # fmt: skip
+        fused_args = (conv, pool, slots, *parts, dw)
+        out.append((
+            "delta_rule", f"whole decode, {batch} seqs x {heads} heads",
+            lambda a=fused_args: cpu_linear_attention.gated_delta_decode_(lib, *a),
+            lambda a=fused_args: TORCH_OPS.gated_delta_decode_(*a),
+        ))  # fmt: skip
         y, z = torch.randn(batch * heads, dk, generator=g), torch.randn(batch * heads, dk, generator=g)
         nw = torch.rand(dk, generator=g)
         out.append((
@@ -161,7 +175,7 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
 
     n, k = (256, 256) if quick else (5632, 2048)
     weight = torch.randn(n, k, generator=g) * 0.02
-    for kind in ("int8", "int4"):
+    for kind in ("int8", "int4", "w8a8", "w4a8"):  # w*a8: int8 inputs, the integer kernel where it runs
         low_bit = QuantLinear(quantize(weight, kind), None, lib)
         dequantizing = QuantLinear(quantize(weight, kind), None)
         for rows in (1, 8) if quick else (1, 8, 256):

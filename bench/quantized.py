@@ -8,7 +8,7 @@ and a chat job, and how far the greedy output moves from fp32's.
 
 Each setting is an engine of its own on the same checkpoint (the cpu backend, its C kernels);
 `KIND+head` quantizes the LM head too (`quantize_lm_head`); w8a8 and w4a8 round the inputs to
-int8 per token as well (the integer kernel where the CPU has AVX-512 VNNI). All engines are
+int8 per token as well (the integer kernel: AVX-512 VNNI, or AVX2 for int4). All engines are
 built first and the decode steps are timed in `--rounds` rounds over every setting in turn (the
 median of the rounds' medians), so that a drift in the machine's memory bandwidth (on a shared
 VM, 30% between runs minutes apart) falls on every setting alike.

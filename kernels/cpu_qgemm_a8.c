@@ -175,8 +175,13 @@ static const a8_tile_fn A8_TILES[2][A8_ROWS + 1] = {
     {0, a8_int4_1, a8_int4_2, a8_int4_3, a8_int4_4},
 };
 
-/* Which weight kinds this build and CPU multiply with int8 inputs: bit KINDS[kind] (cpu_qgemm.py). */
-int qgemm_a8_kinds(void) { return a8_cpu() ? A8_KINDS : 0; }
+/* Which weight kinds this build and CPU multiply with int8 inputs: bit KINDS[kind] (cpu_qgemm.py).
+ * Asked once: qgemm_a8_panels checks it on every call (a guard against an illegal instruction). */
+int qgemm_a8_kinds(void) {
+    static int kinds = -1;
+    if (kinds < 0) kinds = a8_cpu() ? A8_KINDS : 0;
+    return kinds;
+}
 
 /* y [M][N] (row stride ldy) = quantize(x) W^T + bias; `static_scale` NULL for a scale per row.
  * `zeros` (int4) NULL for 8; `wsum` (int8) the packed column sums per group. Returns 0, -1 where

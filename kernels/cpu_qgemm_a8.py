@@ -31,7 +31,7 @@ class A8Panels:
     k: int
 
 
-def available(lib: ctypes.CDLL | None, kind: str = "int4") -> bool:
+def available(lib: ctypes.CDLL | None, kind: str) -> bool:
     """Whether this library and CPU multiply `kind` weights by int8 inputs (avx512 with VNNI: int8
     and int4; avx2: int4)."""
     return lib is not None and kind in KINDS and bool(lib.qgemm_a8_kinds() >> KINDS[kind] & 1)

@@ -11,7 +11,8 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 2 * 1024**3
 # `quantization` on load: weight-only, or (w8a8, w4a8) int8 or int4 weights with the inputs rounded
-# to int8 per token as well (vLLM's W8A8 dynamic; integer dot products on AVX-512 VNNI)
+# to int8 per token as well (vLLM's W8A8 dynamic; integer dot products on AVX-512 VNNI, and for
+# int4 weights on AVX2)
 WEIGHT_KINDS = ("bf16", "fp8", "int8", "int4")  # what the low-bit GEMMs store
 QUANTIZATIONS = (*WEIGHT_KINDS, "w8a8", "w4a8")
 

@@ -17,8 +17,8 @@ reference: every call rebuilds the float matrix).
 Checkpoints stored quantized (models/checkpoint_quant.py) may add two things to a weight: an input
 column order (GPTQ's act-order), which the kernels' paths gather the input by, and an input
 quantization (compressed-tensors' W8A8), applied to the input rows before any path. With int8
-inputs and int8 or int4 weights on a CPU with AVX-512 VNNI, the integer kernel
-(kernels/cpu_qgemm_a8.py) rounds the input itself and multiplies in integers.
+inputs, where the CPU takes the weight kind (AVX-512 VNNI: int8 and int4; AVX2: int4), the
+integer kernel (kernels/cpu_qgemm_a8.py) rounds the input itself and multiplies in integers.
 """
 
 from __future__ import annotations
@@ -106,11 +106,6 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
-def weight_form(w: QuantizedWeight) -> tuple[str, int, int]:
-    """(kind, K, group): what decides which kernels can take the weight."""
-    return w.kind, w.q.shape[1], w.group
-
-
 def group_size(k: int) -> int:
     return next((g for g in GROUPS if k % g == 0), k)
 
@@ -171,7 +166,7 @@ class QuantLinear(nn.Module):
             return
         width = cpu_gemm.panel_width(lib)
         stored = weight.kind, weight.q, weight.scales, weight.zeros, weight.group, width
-        kind, k, group = weight_form(weight)
+        kind, k, group = weight.kind, weight.q.shape[1], weight.group
         if weight.act == "int8" and cpu_qgemm_a8.available(lib, kind) and cpu_qgemm_a8.fits(kind, k, group):
             self.a8 = cpu_qgemm_a8.pack(*stored)  # int8 inputs: integer dot products
         else:

@@ -14,10 +14,18 @@ from mm_engine.kernels import cpu_qgemm_a8
 from mm_engine.models.layers.act_quant import fake_quantize
 from mm_engine.models.layers.quant_linear import QuantizedWeight, QuantLinear, quantize
 
+WHY_NOT = {
+    "avx2": "avx2 takes int4 weights only: vpmaddubsw's 16-bit pair sums would saturate on int8 weights",
+    "portable": "the portable build has no integer kernel: int8 inputs run the float path there",
+    "avx512": "this AVX-512 CPU lacks VNNI: int8 inputs run the float path here",
+}
 
-def _taking(lib, kind: str) -> None:
+
+def _taking(variant: str, lib, kind: str) -> None:
+    """Skip where the variant does not take `kind`: those layers keep the fake-quantized float path,
+    tested below (test_weights_whose_groups...) and in tests/engine/test_quantization.py."""
     if not cpu_qgemm_a8.available(lib, kind):
-        pytest.skip(f"this variant (or this CPU: AVX-512 without VNNI) has no int8-input GEMM for {kind}")
+        pytest.skip(WHY_NOT[variant])
 
 
 def _case(kind: str, n: int, k: int, group: int | None, zeros: bool, seed: int) -> QuantizedWeight:
@@ -34,12 +42,11 @@ def _case(kind: str, n: int, k: int, group: int | None, zeros: bool, seed: int) 
     ("n", "k", "group"), [(100, 256, None), (48, 128, 32), (7, 64, 64), (130, 1024, None)]
 )
 @torch.inference_mode()
-def test_the_int8_input_kernel_equals_the_fake_quantized_path(cpu_lib, kind, zeros, n, k, group):
-    _taking(cpu_lib, kind)
-    lib = cpu_lib
+def test_the_int8_input_kernel_equals_the_fake_quantized_path(cpu_variant, cpu_lib, kind, zeros, n, k, group):
+    _taking(cpu_variant, cpu_lib, kind)
     w = _case(kind, n, k, group, zeros, seed=n + k)
     bias = torch.randn(n)
-    fast = QuantLinear(w, bias, lib)
+    fast = QuantLinear(w, bias, cpu_lib)
     assert fast.a8 is not None and fast.panels is None
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(2)) * 3
     x[4] = 0  # a zero row: its scale is eps, its output the bias
@@ -55,12 +62,11 @@ def test_the_int8_input_kernel_equals_the_fake_quantized_path(cpu_lib, kind, zer
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @torch.inference_mode()
-def test_a_static_input_scale_is_used_as_given(cpu_lib, kind):
-    _taking(cpu_lib, kind)
-    lib = cpu_lib
+def test_a_static_input_scale_is_used_as_given(cpu_variant, cpu_lib, kind):
+    _taking(cpu_variant, cpu_lib, kind)
     w = _case(kind, 64, 128, None, False, seed=7)
     w.act_scale = torch.tensor([0.01])  # small: many inputs clamp to the int8 range
-    fast = QuantLinear(w, None, lib)
+    fast = QuantLinear(w, None, cpu_lib)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
     want = F.linear(fake_quantize(x, "int8", w.act_scale), w.dequantize())
     torch.testing.assert_close(fast(x), want, rtol=1e-5, atol=1e-4)
