@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from mm_engine.kernels.cpu_kernels import CpuKernels
 from mm_engine.kernels.metadata import AttentionMetadata
-from mm_engine.kernels.ops import CpuOps
+from mm_engine.kernels.ops import CpuOps, TorchOps
 from mm_engine.kernels.torch_backend import TorchBackend
+from mm_engine.models.layers.vision_layout import tower_layout
 from mm_engine.pools.kv_cache import paged_kv_tensor
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -107,4 +108,14 @@ def attention_cases(
         lambda: ops.bidirectional_attention(q, k, v, 0.125),
         lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125).transpose(1, 2),
     ))  # fmt: skip
+    # Qwen2.5-VL's windowed layers: 64-patch windows (edge windows smaller) of images 30 x 28 patches.
+    for n in (1, 16) if not quick else (1,):
+        windows = tower_layout([(1, 30, 28) if not quick else (1, 8, 12)] * n, 2, 4).windows
+        qkv = torch.randn(sum(windows.lens), 3, heads, DIM, generator=g)
+        q, k, v = qkv.unbind(1)
+        out.append((
+            "vision_windows", f"{n} images, {len(windows.lens)} windows x {heads} heads",
+            lambda q=q, k=k, v=v, w=windows: ops.varlen_attention(q, k, v, w, 0.125),
+            lambda q=q, k=k, v=v, w=windows: TorchOps.varlen_attention(ops, q, k, v, w, 0.125),
+        ))  # fmt: skip
     return out

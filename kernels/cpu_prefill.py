@@ -98,3 +98,23 @@ def bidirectional(lib: ctypes.CDLL, query, key, value, scale: float) -> torch.Te
     starts = [b * tokens for b in range(batch)]
     out = paged_prefill(lib, q, k, v, tables, starts, per_image, per_image, scale, causal=False)
     return None if out is None else out.view(batch, tokens, heads, dim)
+
+
+def varlen(lib: ctypes.CDLL, query, key, value, starts, lens, scale: float) -> torch.Tensor | None:
+    """Full attention within each segment of packed rows (a vision tower's images or windows):
+    `[tokens, heads, dim]` each, any row and head strides (views into one QKV output), segment i
+    rows `starts[i]` .. `+ lens[i]`; `[tokens, heads, dim]` out, contiguous; None where the kernel
+    does not apply. K and V are read as overlapping one-row-apart "blocks": block `starts[i]` is
+    segment i's first row, and a block is as long as the longest segment (the kernel takes the
+    block size and strides of its K/V, never their block count)."""
+    if not takes(query, key, value) or key.stride() != value.stride() or key.shape != query.shape:
+        return None
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or not lens:
+        return None
+    tokens, heads, dim = key.shape
+    row, head, _ = key.stride()
+    longest = max(lens)
+    k = key.as_strided((1, longest, heads, dim), (row, row, head, 1))
+    v = value.as_strided((1, longest, heads, dim), (row, row, head, 1))
+    tables = torch.tensor(starts, dtype=torch.int32)[:, None]
+    return paged_prefill(lib, query, k, v, tables, list(starts), list(lens), list(lens), scale, causal=False)

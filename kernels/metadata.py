@@ -15,6 +15,8 @@ Two departures from causal attention, both optional: `bidirectional` gives each 
 `[start, end)` of positions it also sees (Gemma 3: the tokens of one image see each other in both
 directions; outside images the range is empty), and a layer may pass a sliding `window` to
 `attend` (a query at position p sees keys at positions > p - window).
+
+A vision tower's attention needs much less (`Segments`): runs of packed rows that see each other.
 """
 
 from __future__ import annotations
@@ -50,3 +52,21 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """Contiguous runs of rows that attend among themselves: `starts[i]`, `lens[i]`; `windows`:
+    they are windows of an image (short, many), not whole frames (the ops pick a kernel by it)."""
+
+    starts: tuple[int, ...]
+    lens: tuple[int, ...]
+    windows: bool = False
+
+    @staticmethod
+    def of(lens: list[int], windows: bool = False) -> Segments:
+        starts, at = [], 0
+        for n in lens:
+            starts.append(at)
+            at += n
+        return Segments(tuple(starts), tuple(lens), windows)

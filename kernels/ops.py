@@ -130,6 +130,23 @@ class TorchOps:
         heads, dim]` out; None: the caller's own attention (SDPA) answers."""
         return None
 
+    def varlen_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, scale: float
+    ) -> torch.Tensor:
+        """A vision tower's attention over packed images: `[tokens, heads, dim]` each (views into
+        one projection output are fine), every row sees every row of its segment (`segments`:
+        `starts`, `lens` tiling the tokens); `[tokens, heads, dim]` out, contiguous. Segments of
+        one length go to SDPA together, as one batch."""
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        by_len: dict[int, list[int]] = {}
+        for start, n in zip(segments.starts, segments.lens, strict=True):
+            by_len.setdefault(n, []).append(start)
+        for n, starts in by_len.items():
+            rows = (torch.tensor(starts)[:, None] + torch.arange(n)).to(query.device)  # [batch, n]
+            q, k, v = (x[rows].transpose(1, 2) for x in (query, key, value))  # [batch, heads, n, dim]
+            out[rows] = F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+        return out
+
 
 class CpuOps(TorchOps):
     """The C kernels of `kernels.variant` for what `kernels.enabled` names, torch elsewhere (and
@@ -139,10 +156,13 @@ class CpuOps(TorchOps):
         self.kernels, self.lib = kernels, kernels.lib
         self.name = f"cpu-{kernels.variant}"
         # Looked up once: these run per layer and step.
-        self.c_norm, self.c_rotary, self.c_silu, self.c_gelu, self.c_vision, self.c_delta = (
+        self.c_norm, self.c_rotary, self.c_silu, self.c_gelu, self.c_vision, self.c_windows, self.c_delta = (
             kernels.uses(k)
-            for k in ("rms_norm", "rotary", "silu_and_mul", "gelu_tanh", "vision_attention", "delta_rule")
-        )
+            for k in (
+                "rms_norm", "rotary", "silu_and_mul", "gelu_tanh", "vision_attention", "vision_windows",
+                "delta_rule",
+            )
+        )  # fmt: skip
 
     def rms_norm(self, x, weight, eps):
         if self.c_norm:  # a strided x (a head's q within q and gate) is copied: torch's norm takes 10x
@@ -208,6 +228,13 @@ class CpuOps(TorchOps):
         if self.c_vision:
             return cpu_prefill.bidirectional(self.lib, query, key, value, scale)
         return None
+
+    def varlen_attention(self, query, key, value, segments, scale):
+        if self.c_windows if segments.windows else self.c_vision:
+            out = cpu_prefill.varlen(self.lib, query, key, value, segments.starts, segments.lens, scale)
+            if out is not None:
+                return out
+        return super().varlen_attention(query, key, value, segments, scale)
 
 
 class TritonOps(TorchOps):

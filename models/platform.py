@@ -184,9 +184,12 @@ def pack_model_linears(model: nn.Module, language_model: nn.Module, platform: Pl
 
 def adapt_vision_tower(tower: nn.Module, platform: Platform) -> None:
     """Route a transformers vision tower's self-attention and tanh-GELU through the platform's
-    ops, where it has faster ones; anything they decline still goes to transformers' own code."""
+    ops, where it has faster ones; anything they decline still goes to transformers' own code. A
+    tower of the engine's own calls the ops already."""
+    from transformers import PreTrainedModel
+
     ops = platform.ops
-    if platform.kernels is None:
+    if platform.kernels is None or not isinstance(tower, PreTrainedModel):
         return
     if platform.kernels.uses("vision_attention"):
         attention = _vision_attention(ops)

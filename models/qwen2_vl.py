@@ -7,7 +7,8 @@ also inside windows, except in its full-attention layers), and every 2x2 patches
 token. The prompt's `<|image_pad|>` becomes one pad per merged token, all of them embeddings; the
 language model is Qwen2's, with M-RoPE positions (mrope.py).
 
-Towers are transformers' own modules; the language model runs on the engine's paged layers.
+Qwen2-VL's and Qwen2.5-VL's towers are the engine's own (models/layers/qwen_vision.py), later
+versions' are transformers' modules; the language model runs on the engine's paged layers.
 Checkpoints come as `model.*` + `visual.*` + `lm_head.*` (as published) or `model.language_model.*`
 + `model.visual.*` (as transformers 5 lays the modules out); both load.
 """
@@ -25,12 +26,14 @@ from PIL import Image
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImage, Processing
 from mm_engine.models.layers.decoder import DecoderLM, mrope_streams
+from mm_engine.models.layers.qwen_vision import QwenVisionTower
 from mm_engine.models.mrope import mrope_positions
 from mm_engine.models.options import positive_option
 from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
+    materialize,
     read_weights,
     ready,
     split_by_prefix,
@@ -39,6 +42,8 @@ from mm_engine.parallel.group import TPGroup
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
+# The versions whose tower is the engine's own.
+ENGINE_TOWERS = ("qwen2_vl", "qwen2_5_vl")
 # Processor options a request or server may set (`mm_processor_kwargs`), as vLLM spells them.
 PIXEL_OPTIONS = ("min_pixels", "max_pixels")
 
@@ -167,8 +172,10 @@ class Qwen2VLModel(MultimodalModel):
         # Pinned, not waited for: with async scheduling the forward in flight goes on meanwhile.
         pixels = torch.cat([span.pixel_values for span in images])
         pixels = to_device(pixels, None, device).to(self.vision_dtype)
-        grid = to_device([span.grid for span in images], torch.long, device)
-        out = self.visual(pixels, grid_thw=grid)
+        if isinstance(self.visual, QwenVisionTower):
+            out = self.visual(pixels, [span.grid for span in images])
+        else:
+            out = self.visual(pixels, grid_thw=to_device([span.grid for span in images], torch.long, device))
         feats = torch.stack([out.pooler_output, *self._extras(out)], dim=1)
         feats = feats.to(self.language_model.embed_tokens.weight.dtype)
         return list(feats.split([span.num_embeds for span in images]))
@@ -203,8 +210,14 @@ class Qwen2VLModel(MultimodalModel):
             cls.lm_weights(parts.get("lm", {})), text, dtype, device, platform.ops, streams, cls.qk_norm, tp,
             cls.lm_class,
         )  # fmt: skip
-        tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
-        tower = tower.to(device=device, dtype=vision_dtype)
-        load_strict(tower, parts.get("vision", {}), "vision tower")
+        vision = parts.get("vision", {})
+        if config.model_type in ENGINE_TOWERS:
+            tower = QwenVisionTower(config.vision_config, platform.ops).to(device=device, dtype=vision_dtype)
+            load_strict(tower, QwenVisionTower.checkpoint_state(materialize(vision)), "vision tower")
+            tower.fuse()
+        else:
+            tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
+            tower = tower.to(device=device, dtype=vision_dtype)
+            load_strict(tower, vision, "vision tower")
         model = cls(config, tower, lm)
         return ready(model, model.visual, platform, pack_weights)

@@ -148,3 +148,31 @@ def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enab
     pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
     want = plain.model.encode_images(pixels)
     torch.testing.assert_close(fast.model.encode_images(pixels), want, rtol=1e-3, atol=5e-5)
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_varlen_attention_over_packed_segments_matches_sdpa_per_segment(cpu_kernels, windows):
+    """A vision tower's packed attention: q, k, v are views into one [tokens, 3 * heads, dim] QKV
+    output, segments of any lengths (one row, a multiple of 16, a few odd ones) tile the rows, and
+    each row sees exactly its own segment. The kernel and the torch twin both match SDPA run one
+    segment at a time."""
+    from mm_engine.kernels.metadata import Segments
+    from mm_engine.kernels.ops import TORCH_OPS
+
+    g = torch.Generator().manual_seed(11)
+    heads, d = 3, 32
+    segments = Segments.of([64, 1, 37, 16, 100, 5], windows=windows)
+    qkv = torch.randn(sum(segments.lens), 3 * heads, d, generator=g)
+    q, k, v = qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+    per_segment = [
+        F.scaled_dot_product_attention(*(x[s : s + n].transpose(0, 1) for x in (q, k, v)), scale=0.3)
+        for s, n in zip(segments.starts, segments.lens, strict=True)
+    ]
+    want = torch.cat(per_segment, dim=1).transpose(0, 1)
+    out = cpu_prefill.varlen(cpu_kernels.lib, q, k, v, segments.starts, segments.lens, 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        CpuOps(cpu_kernels).varlen_attention(q, k, v, segments, 0.3), want, rtol=1e-4, atol=1e-5
+    )
+    torch.testing.assert_close(TORCH_OPS.varlen_attention(q, k, v, segments, 0.3), want, rtol=1e-5, atol=1e-6)
+    assert cpu_prefill.varlen(cpu_kernels.lib, q.double(), k, v, segments.starts, segments.lens, 0.3) is None
