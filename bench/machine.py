@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mm_engine.models.layers.packed_linear import PackedLinear, can_pack
+from mm_engine.models.layers.vision_layout import tower_layout
 from mm_engine.models.llava import feature_layers, tokens_per_image
 
 
@@ -116,13 +117,18 @@ class LlavaFlops:
         # Only the layers up to the deepest one LLaVA reads need to run; the projector sees the
         # image tokens the LM gets (CLIP's class token dropped under the "default" strategy).
         projector = 2 * tokens_per_image(cfg) * (h * len(read) * th + th * th)
-        vision = patch + max(read) * layer + projector
+        return cls.language_model(tc, float(patch + max(read) * layer + projector))
+
+    @classmethod
+    def language_model(cls, tc, vision_per_image: float = 0.0) -> LlavaFlops:
+        """The decoder's counts from a text config (any family with a Llama-shaped decoder)."""
+        th = tc.hidden_size
         hd = getattr(tc, "head_dim", None) or th // tc.num_attention_heads
         q, kv = tc.num_attention_heads * hd, tc.num_key_value_heads * hd
         per_layer = th * q + 2 * th * kv + q * th + 3 * th * tc.intermediate_size
         n = tc.num_hidden_layers
         return cls(
-            vision_per_image=float(vision),
+            vision_per_image=vision_per_image,
             lm_linear_per_token=float(2 * n * per_layer),
             lm_attn_per_key=float(4 * n * q),
             lm_head_per_token=float(2 * th * tc.vocab_size),
@@ -151,3 +157,25 @@ class LlavaFlops:
         tokens: the weights are read once, each sequence's KV once."""
         flops = batch * (self.tokens(context, 1) + self.lm_head_per_token)
         return flops, self.lm_weight_bytes + batch * (context + 1) * self.kv_bytes_per_token
+
+
+def qwen_tower_flops(vc, grid: tuple[int, int, int]) -> float:
+    """FLOPs of a Qwen2-VL or Qwen2.5-VL tower on one image of patch grid (t, h, w): the patch
+    embedding, every block's projections and attention products (within frames, or windows in
+    Qwen2.5's windowed layers), the merger."""
+    t, h, w = grid
+    p, m = t * h * w, vc.spatial_merge_size
+    gated = vc.model_type == "qwen2_5_vl_vision"
+    c = vc.hidden_size if gated else vc.embed_dim
+    mlp = 3 * c * vc.intermediate_size if gated else 2 * c * int(c * vc.mlp_ratio)
+    out = vc.out_hidden_size if gated else vc.hidden_size
+    window = vc.window_size // vc.patch_size // m if gated else None
+    layout = tower_layout([grid], m, window)
+    full = set(vc.fullatt_block_indexes) if gated else set(range(vc.depth))
+    attention = 0
+    for layer in range(vc.depth):
+        segments = layout.frames if layer in full else layout.windows
+        attention += 4 * c * sum(n * n for n in segments.lens)
+    patch = 2 * p * vc.in_channels * vc.temporal_patch_size * vc.patch_size**2 * c
+    merger = 2 * (p // (m * m)) * ((c * m * m) ** 2 + c * m * m * out)
+    return float(patch + vc.depth * 2 * p * (4 * c * c + mlp) + attention + merger)

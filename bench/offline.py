@@ -43,10 +43,11 @@ import torch
 from transformers import AutoConfig
 
 from bench import vlm
-from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s
+from bench.machine import LlavaFlops, machine_info, matmul_flops_per_s, qwen_tower_flops
 from bench.offline_runs import Job, engine_run, hf_run, run_in_child
 from bench.offline_structured import print_structured, structured_cost
 from bench.save import save_json
+from mm_engine.config import QUANTIZATIONS
 
 HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (4, 8, 16)}  # chat at 32 lost to 8 and costs 90 s
 HF_SWEEP_GPU = {"caption": (8, 16, 32, 64, 128), "chat": (8, 16, 32, 64, 128)}
@@ -67,19 +68,35 @@ def workload_requests(
     ]
 
 
-def floor_flops(flops: LlavaFlops, requests, prompt_ids: list[list[int]]) -> float:
+def floor_flops(
+    flops: LlavaFlops, requests, prompt_ids: list[list[int]], vision: list[float] | None = None
+) -> float:
     """The least work for the job: each image encoded once, each image's shared prompt prefix
-    prefilled once, then every request's own tokens."""
+    prefilled once, then every request's own tokens. `vision`: each image's tower FLOPs, where
+    they depend on the image (else `flops.vision_per_image`)."""
     total = 0.0
     first_of: dict[int, list[int]] = {}
     for (image, _, n_out), ids in zip(requests, prompt_ids, strict=True):
         if image not in first_of:
             first_of[image] = ids
-            total += flops.request(len(ids), n_out)
+            total += flops.request(len(ids), n_out, images=0) + (
+                flops.vision_per_image if vision is None else vision[image]
+            )
         else:
             shared = _common_prefix(first_of[image], ids)
             total += flops.request(len(ids), n_out, cached=min(shared, len(ids) - 1), images=0)
     return total
+
+
+def image_grids(model: str, job: Job) -> list[tuple[int, int, int]]:
+    """Each benchmark image's patch grid, as the checkpoint's processor makes it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mm_engine.models import make_processing
+
+    config = AutoConfig.from_pretrained(model)
+    processing = make_processing(Path(model), AutoTokenizer.from_pretrained(model), config)
+    return [processing.process(image).grid for image in vlm.images(job.num_images, job.seed)]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -151,6 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="default: float32 on CPU, float16 on a GPU",
     )
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="the engine's LM linears rounded to this on load (engine only)")  # fmt: skip
+    ap.add_argument("--vision-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                    help="the engine's tower in this dtype (engine only; default: --dtype)")  # fmt: skip
     args = ap.parse_args(argv)
     gpu = args.device != "cpu"
     dtype = args.dtype or ("float16" if gpu else "float32")
@@ -175,6 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error("--profile times the phases of the plain loop: not with --async-scheduling on")
         args.async_scheduling = "off"
     engine_args["async_scheduling"] = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+    for name in ("quantization", "vision_dtype"):  # the engine's side only: transformers runs as is
+        if getattr(args, name) is not None:
+            engine_args[name] = getattr(args, name)
+            print(f"mm-engine {name}: {engine_args[name]}", flush=True)
     if args.multiprocess:
         if args.profile:
             ap.error("--profile times the in-process engine's phases: not with --multiprocess")
@@ -212,10 +237,15 @@ def main(argv: list[str] | None = None) -> dict:
     hf_rate = sum(hf["matmul_flops_per_s"]) / 2
     same, compared = compare(ours["tokens"], hf["tokens"], args.check)
     config = AutoConfig.from_pretrained(model)
-    # The FLOP model is LLaVA's (fixed image tokens); other families report no floor yet.
+    # FLOP models: LLaVA's (fixed image tokens) and Qwen2/2.5-VL's (each image's own grid); other
+    # families report no floor yet.
     floor = None
     if config.model_type == "llava":
         floor = floor_flops(LlavaFlops.from_config(config), requests, ours["prompt_ids"])
+    elif config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        vision = [qwen_tower_flops(config.vision_config, grid) for grid in image_grids(model, job)]
+        lm = LlavaFlops.language_model(config.text_config)
+        floor = floor_flops(lm, requests, ours["prompt_ids"], vision)
     # Each run against the rate measured next to it; the engine's is the mean of its two runs.
     fractions = [floor / (t * r) if floor else None for t, r in zip(engine_runs, engine_rates, strict=True)]
     out_tokens = sum(n for _, _, n in requests)

@@ -67,7 +67,8 @@ def engine_run(job: Job) -> dict:
     torch.set_num_threads(job.threads)
     images = vlm.images(job.num_images, job.seed)
     engine_args = {"cpu_tune_malloc": True, **job.engine_args}  # as `mm-engine` runs it
-    llm = LLM(job.model, device=job.device, dtype=job.dtype, vision_dtype=job.dtype, **engine_args)
+    engine_args = {"vision_dtype": job.dtype, **engine_args}  # --vision-dtype may set the tower's own
+    llm = LLM(job.model, device=job.device, dtype=job.dtype, **engine_args)
     warm = {"prompt": job.requests[0][1], "multi_modal_data": {"image": vlm.noise_image(0)}}
     so = None if job.json_schema is None else StructuredOutputs(json=job.json_schema)
     # (with a schema, the warm-up also compiles its grammar: compiles are cached per schema)

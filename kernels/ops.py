@@ -238,21 +238,25 @@ class CpuOps(TorchOps):
 
 
 class TritonOps(TorchOps):
-    """The attention backend "triton"'s ops: the gated delta rule and the grouped experts as
-    Triton kernels (kernels/triton_gated_delta.py, triton_moe.py), torch for the rest."""
+    """The attention backend "triton"'s ops: the gated delta rule, the grouped experts and a vision
+    tower's packed attention as Triton kernels (kernels/triton_gated_delta.py, triton_moe.py,
+    triton_attention.py), torch for the rest."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from mm_engine.kernels import triton_gated_delta, triton_moe
+        from mm_engine.kernels import triton_attention, triton_gated_delta, triton_moe
 
-        self.delta, self.moe = triton_gated_delta, triton_moe
+        self.delta, self.moe, self.attention = triton_gated_delta, triton_moe, triton_attention
 
     def delta_rule_step_(self, state, slots, qkv, g, beta, key_heads):
         return self.delta.delta_rule_step_(state, slots, qkv, g, beta, key_heads)
 
     def delta_rule_chunked(self, q, k, v, g, beta, state):
         return self.delta.delta_rule_piece(q, k, v, g, beta, state)
+
+    def varlen_attention(self, query, key, value, segments, scale):
+        return self.attention.varlen(query, key, value, segments, scale)
 
     def moe_experts(self, x, token, expert, gate_up, down, act=None):
         if act is not None or gate_up.stride(-1) != 1 or down.stride(-1) != 1:

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, LlavaForConditionalGeneration
 
 from bench import offline, report, roofline
-from bench.machine import LlavaFlops
+from bench.machine import LlavaFlops, qwen_tower_flops
 from mm_engine import LLM
 
 
@@ -47,6 +47,34 @@ def test_flop_counts_match_torch_flop_counter(fixture, request):
         cache = lm(input_ids=ids, use_cache=True).past_key_values
         one = _counted(lambda: model(input_ids=torch.tensor([[10]]), past_key_values=cache, logits_to_keep=1))
     assert one == pytest.approx(flops.tokens(5, 1) + flops.lm_head_per_token, rel=1e-9)
+
+
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_tower_flops_match_torch_flop_counter(version):
+    """transformers' tower (its SDPA per frame or window, as plain matmuls under "eager") on two
+    images, one whose grid the windows do not divide."""
+    from mm_engine.models.qwen2_vl import vision_tower_class
+
+    dims = dict(depth=3, num_heads=2, patch_size=14, spatial_merge_size=2)
+    if version == "qwen2_5_vl":
+        dims.update(
+            hidden_size=64,
+            intermediate_size=96,
+            out_hidden_size=48,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+    else:
+        dims.update(embed_dim=64, mlp_ratio=2, hidden_size=48)
+    config = AutoConfig.for_model(version, vision_config=dims).vision_config
+    config._attn_implementation = "eager"
+    tower = vision_tower_class(version)._from_config(config).eval()
+    grids = [(1, 12, 20), (1, 8, 8)]
+    per_patch = 3 * 2 * 14 * 14
+    pixels = torch.zeros(sum(t * h * w for t, h, w in grids), per_patch)
+    with torch.inference_mode():
+        counted = _counted(lambda: tower(pixels, grid_thw=torch.tensor(grids)))
+    assert counted == pytest.approx(sum(qwen_tower_flops(config, g) for g in grids), rel=1e-9)
 
 
 @pytest.mark.slow

@@ -61,3 +61,28 @@ def test_tower_embeddings_equal_transformers(vl_family, version, backend):
     )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     llm.close()
+
+
+def test_bfloat16_tower_on_cpu_stays_close_and_the_engine_serves(vl_family):
+    """`vision_dtype="bfloat16"` (oneDNN's bf16 GEMM where the CPU has AVX-512 BF16, torch's
+    elsewhere): the C kernels decline bf16 and torch answers; features within bf16 rounding of
+    float32's, and a request runs to its end with every block free again."""
+    from helpers.families import assert_all_free, family_prompt, greedy, mm
+    from helpers.images import make_image
+
+    path, ref = vl_family("qwen2_5_vl")
+    llm = engine(path, "cpu", vision_dtype="bfloat16")
+    ours = llm.engine.core.model.visual
+    assert ours.merger.ln_q.weight.dtype == torch.bfloat16
+    grids = [(1, 4, 8), (1, 8, 8)]
+    pixels = torch.randn(96, 3 * 2 * 8 * 8, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        want = ref.model.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(pixels, grids).pooler_output.float()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    out = llm.generate(
+        [mm(family_prompt("qwen2_5_vl", "what is this", 1), [make_image(1, (70, 45))])], greedy(5)
+    )
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert_all_free(llm)
+    llm.close()

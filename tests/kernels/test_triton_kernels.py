@@ -336,3 +336,30 @@ def test_empty_batch() -> None:
     _, k_cache, v_cache, meta = make_batch([1], [3], 16, 2, 1, 64, torch.float32)
     query = torch.empty((0, 2, 64), device=TEST_DEVICE)
     assert paged_attention(query, k_cache, v_cache, meta, 0.125).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_varlen_attention_over_packed_segments(dtype) -> None:
+    """A vision tower's packed attention: views into one QKV output, segments of any lengths (one
+    row, odd ones, longer than a key tile), each row seeing exactly its own segment."""
+    import torch.nn.functional as F
+
+    from mm_engine.kernels.metadata import Segments
+    from mm_engine.kernels.triton_attention import varlen
+
+    g = torch.Generator().manual_seed(5)
+    heads, d = 3, 32
+    segments = Segments.of([40, 1, 17, 70, 8], windows=True)
+    qkv = torch.randn(sum(segments.lens), 3 * heads, d, generator=g)
+    want = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(qkv[s : s + n, j * heads : (j + 1) * heads].double().transpose(0, 1) for j in range(3)),
+                scale=0.25,
+            ).transpose(0, 1)
+            for s, n in zip(segments.starts, segments.lens, strict=True)
+        ]
+    ).float()
+    qkv = qkv.to(TEST_DEVICE, dtype)
+    out = varlen(qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :], segments, 0.25)
+    torch.testing.assert_close(out.float().cpu(), want, **TOL[dtype])
