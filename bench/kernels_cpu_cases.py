@@ -111,11 +111,10 @@ def attention_cases(
     # Qwen2.5-VL's windowed layers: 64-patch windows (edge windows smaller) of images 30 x 28 patches.
     for n in (1, 16) if not quick else (1,):
         windows = tower_layout([(1, 30, 28) if not quick else (1, 8, 12)] * n, 2, 4).windows
-        qkv = torch.randn(sum(windows.lens), 3, heads, DIM, generator=g)
-        q, k, v = qkv.unbind(1)
+        wq, wk, wv = torch.randn(sum(windows.lens), 3, heads, DIM, generator=g).unbind(1)
         out.append((
             "vision_windows", f"{n} images, {len(windows.lens)} windows x {heads} heads",
-            lambda q=q, k=k, v=v, w=windows: ops.varlen_attention(q, k, v, w, 0.125),
-            lambda q=q, k=k, v=v, w=windows: TorchOps.varlen_attention(ops, q, k, v, w, 0.125),
+            lambda q=wq, k=wk, v=wv, w=windows: ops.varlen_attention(q, k, v, w, 0.125),
+            lambda q=wq, k=wk, v=wv, w=windows: TorchOps.varlen_attention(ops, q, k, v, w, 0.125),
         ))  # fmt: skip
     return out
