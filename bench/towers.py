@@ -22,16 +22,17 @@ from transformers import AutoConfig
 
 from bench.machine import best_seconds, machine_info
 from bench.save import save_json
-from bench.vlm import QWEN_VISION_DIMS
+from bench.vlm import QWEN35_VISION_DIMS, QWEN_VISION_DIMS
 from mm_engine.models.layers.packed_linear import pack_linears
 from mm_engine.models.layers.qwen_vision import QwenVisionTower
 from mm_engine.models.platform import adapt_vision_tower, make_platform
-from mm_engine.models.qwen2_vl import vision_tower_class
+from mm_engine.testing.qwen import reference_tower_class
 
 # (family, vision config overrides): the benchmark model's tower, and Qwen2-VL's at the same size.
 FAMILIES = {
     "qwen2_5_vl": dict(QWEN_VISION_DIMS, patch_size=14),
     "qwen2_vl": dict(depth=12, embed_dim=768, num_heads=12, mlp_ratio=4, hidden_size=576, patch_size=14),
+    "qwen3_5": dict(QWEN35_VISION_DIMS, patch_size=14),  # patch 14 here, so that the image sizes match
 }
 # (patch rows, patch columns, images per call): 224 px, 448 px and 896 x 672 px images.
 CASES = [(16, 16, 1), (16, 16, 4), (16, 16, 16), (32, 32, 1), (32, 32, 4), (64, 48, 1)]
@@ -42,9 +43,9 @@ def towers(family: str, dtype: torch.dtype, platform):
     engine's own with the same weights."""
     config = AutoConfig.for_model(family, vision_config=FAMILIES[family]).vision_config
     torch.manual_seed(0)
-    plain = vision_tower_class(family)._from_config(config).to(dtype).eval().requires_grad_(False)
+    plain = reference_tower_class(family)._from_config(config).to(dtype).eval().requires_grad_(False)
     state = plain.state_dict()
-    adapted = vision_tower_class(family)._from_config(config).to(dtype).eval().requires_grad_(False)
+    adapted = reference_tower_class(family)._from_config(config).to(dtype).eval().requires_grad_(False)
     adapted.load_state_dict(state)
     adapt_vision_tower(adapted, platform)
     pack_linears(adapted)
@@ -55,9 +56,9 @@ def towers(family: str, dtype: torch.dtype, platform):
     return config, plain, adapted, ours
 
 
-def run(dtype: torch.dtype, reps: int, platform) -> list[dict]:
+def run(dtype: torch.dtype, reps: int, platform, families: list[str]) -> list[dict]:
     rows = []
-    for family in FAMILIES:
+    for family in families:
         config, plain, adapted, ours = towers(family, dtype, platform)
         per_patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
         for h, w, n in CASES:
@@ -93,13 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: " + ", ".join(FAMILIES))
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     platform = make_platform(torch.device("cpu"), "cpu")
     result = {
         "dtype": args.dtype,
         "platform": platform.info(),
-        "rows": run(getattr(torch, args.dtype), args.reps, platform),
+        "rows": run(getattr(torch, args.dtype), args.reps, platform, args.families.split(",")),
         "machine": machine_info(),
     }
     save_json(args.json, result)

@@ -7,8 +7,8 @@ also inside windows, except in its full-attention layers), and every 2x2 patches
 token. The prompt's `<|image_pad|>` becomes one pad per merged token, all of them embeddings; the
 language model is Qwen2's, with M-RoPE positions (mrope.py).
 
-Qwen2-VL's and Qwen2.5-VL's towers are the engine's own (models/layers/qwen_vision.py), later
-versions' are transformers' modules; the language model runs on the engine's paged layers.
+The tower (every version's: Qwen2-VL to Qwen3.5) is the engine's own (models/layers/qwen_vision.py),
+loaded straight from the checkpoint; the language model runs on the engine's paged layers.
 Checkpoints come as `model.*` + `visual.*` + `lm_head.*` (as published) or `model.language_model.*`
 + `model.visual.*` (as transformers 5 lays the modules out); both load.
 """
@@ -42,8 +42,6 @@ from mm_engine.parallel.group import TPGroup
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
-# The versions whose tower is the engine's own.
-ENGINE_TOWERS = ("qwen2_vl", "qwen2_5_vl")
 # Processor options a request or server may set (`mm_processor_kwargs`), as vLLM spells them.
 PIXEL_OPTIONS = ("min_pixels", "max_pixels")
 
@@ -56,34 +54,6 @@ def check_config(config) -> None:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     if not section or sum(section) != head_dim // 2:
         raise ValueError(f"rope_parameters.mrope_section {section} must cover head_dim / 2 = {head_dim // 2}")
-
-
-def vision_tower_class(model_type: str):
-    if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-        return Qwen2VisionTransformerPretrainedModel
-    if model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
-
-        return Qwen2_5_VisionTransformerPretrainedModel
-    if model_type == "qwen3_5_moe":
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
-
-        return Qwen3_5MoeVisionModel
-    if model_type == "qwen3_5":
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
-        return Qwen3_5VisionModel
-    if model_type == "qwen3_vl_moe":
-        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
-
-        return Qwen3VLMoeVisionModel
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    return Qwen3VLVisionModel
 
 
 class QwenProcessing(Processing):
@@ -172,10 +142,7 @@ class Qwen2VLModel(MultimodalModel):
         # Pinned, not waited for: with async scheduling the forward in flight goes on meanwhile.
         pixels = torch.cat([span.pixel_values for span in images])
         pixels = to_device(pixels, None, device).to(self.vision_dtype)
-        if isinstance(self.visual, QwenVisionTower):
-            out = self.visual(pixels, [span.grid for span in images])
-        else:
-            out = self.visual(pixels, grid_thw=to_device([span.grid for span in images], torch.long, device))
+        out = self.visual(pixels, [span.grid for span in images])
         feats = torch.stack([out.pooler_output, *self._extras(out)], dim=1)
         feats = feats.to(self.language_model.embed_tokens.weight.dtype)
         return list(feats.split([span.num_embeds for span in images]))
@@ -210,14 +177,10 @@ class Qwen2VLModel(MultimodalModel):
             cls.lm_weights(parts.get("lm", {})), text, dtype, device, platform.ops, streams, cls.qk_norm, tp,
             cls.lm_class,
         )  # fmt: skip
-        vision = parts.get("vision", {})
-        if config.model_type in ENGINE_TOWERS:
-            tower = QwenVisionTower(config.vision_config, platform.ops).to(device=device, dtype=vision_dtype)
-            load_strict(tower, QwenVisionTower.checkpoint_state(materialize(vision)), "vision tower")
-            tower.fuse()
-        else:
-            tower = vision_tower_class(config.model_type)._from_config(config.vision_config)
-            tower = tower.to(device=device, dtype=vision_dtype)
-            load_strict(tower, vision, "vision tower")
+        tower = QwenVisionTower(config.vision_config, platform.ops).to(device=device, dtype=vision_dtype)
+        load_strict(
+            tower, QwenVisionTower.checkpoint_state(materialize(parts.get("vision", {}))), "vision tower"
+        )
+        tower.fuse()
         model = cls(config, tower, lm)
         return ready(model, model.visual, platform, pack_weights)

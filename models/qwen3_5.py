@@ -5,7 +5,7 @@ layers interleaved with gated full attention) whose linear layers keep their sta
 pool instead of KV blocks.
 
 Images are processed and placed as in Qwen3-VL (the Qwen2-VL processor, interleaved M-RoPE over
-the rotary part of each head), without DeepStack; the tower is transformers' Qwen3.5 one.
+the rotary part of each head), without DeepStack; the tower is the engine's (qwen_vision.py).
 Checkpoints store the RMSNorms' weights as offsets from 1 (`x * (1 + w)`); they are shifted on
 load. The multi-token-prediction head some checkpoints carry (`mtp.*`) is not used.
 """

@@ -159,3 +159,33 @@ def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max
     Processor(
         image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=QWEN_CHAT_TEMPLATE
     ).save_pretrained(path)
+
+
+def reference_tower_class(model_type: str):
+    """transformers' vision tower of a Qwen version (by the model's `model_type`): the reference
+    the engine's own tower is held to in tests and bench.towers."""
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+        return Qwen3_5MoeVisionModel
+    if model_type == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+        return Qwen3_5VisionModel
+    if model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+        return Qwen3VLMoeVisionModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return Qwen3VLVisionModel

@@ -53,7 +53,7 @@ def test_flop_counts_match_torch_flop_counter(fixture, request):
 def test_qwen_tower_flops_match_torch_flop_counter(version):
     """transformers' tower (its SDPA per frame or window, as plain matmuls under "eager") on two
     images, one whose grid the windows do not divide."""
-    from mm_engine.models.qwen2_vl import vision_tower_class
+    from mm_engine.testing.qwen import reference_tower_class
 
     dims = dict(depth=3, num_heads=2, patch_size=14, spatial_merge_size=2)
     if version == "qwen2_5_vl":
@@ -68,7 +68,7 @@ def test_qwen_tower_flops_match_torch_flop_counter(version):
         dims.update(embed_dim=64, mlp_ratio=2, hidden_size=48)
     config = AutoConfig.for_model(version, vision_config=dims).vision_config
     config._attn_implementation = "eager"
-    tower = vision_tower_class(version)._from_config(config).eval()
+    tower = reference_tower_class(version)._from_config(config).eval()
     grids = [(1, 12, 20), (1, 8, 8)]
     per_patch = 3 * 2 * 14 * 14
     pixels = torch.zeros(sum(t * h * w for t, h, w in grids), per_patch)

@@ -36,7 +36,9 @@ def test_layout_matches_transformers_window_index_and_positions():
         tower_layout([(1, 5, 4)], merge=2)
 
 
-@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize(
+    "version", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+)
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_tower_embeddings_equal_transformers(vl_family, version, backend):
     path, ref = vl_family(version)
@@ -60,6 +62,11 @@ def test_tower_embeddings_equal_transformers(vl_family, version, backend):
         == (sum(t * h * w for t, h, w in grids) // 4, llm.engine.core.model.config.text_config.hidden_size)
     )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    features = theirs(pixels, grid_thw=torch.tensor(grids))
+    deepstack = getattr(features, "deepstack_features", None) or []
+    assert len(ours(pixels, grids).deepstack_features) == len(deepstack)
+    for mine, reference in zip(ours(pixels, grids).deepstack_features, deepstack, strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-4)
     llm.close()
 
 
