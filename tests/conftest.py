@@ -17,7 +17,10 @@ import torch  # noqa: E402
 from helpers.reference import FamilyReference, Reference  # noqa: E402
 from mm_engine.testing import build_checkpoint  # noqa: E402
 
-torch.set_num_threads(2)
+# Every xdist worker gets its share of the CPUs: more threads than cores makes OpenMP's workers
+# spin against each other (two workers of two threads on two cores: 1.65x the wall time).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)) // _workers)))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
