@@ -125,6 +125,7 @@ class EngineCore(OverlappedSteps):
             decode_first=config.decode_first,
             decode_step_prefill_tokens=config.prefill_cap(self.device.type),
             states=self.states,
+            step_time_factor=config.step_time_factor,
         )
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
@@ -225,10 +226,13 @@ class EngineCore(OverlappedSteps):
         batch = self._schedule()
         if not batch.items:
             return []
+        start = time.perf_counter()
         try:
-            return self._run(batch)
+            outputs = self._run(batch)
         except Exception as exc:
             raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
+        self.scheduler.observe_step(batch, time.perf_counter() - start)
+        return outputs
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Queue the requests whose grammar is compiled; end those whose grammar failed (the

@@ -12,6 +12,8 @@ only by later forwards, which run after it (on the CUDA stream, or on the launch
 
 from __future__ import annotations
 
+import time
+
 from mm_engine.core.faults import StepFailedError
 from mm_engine.core.launcher import Launched
 from mm_engine.core.logit_adjust import row_contexts
@@ -31,8 +33,14 @@ class OverlappedSteps:
         prev, self._inflight = self._inflight, None
         outputs, self._carry = self._carry, []
         batch = ScheduledBatch()
+        start = time.perf_counter()
         try:
-            return self._overlapped(prev, batch, outputs)
+            outputs = self._overlapped(prev, batch, outputs)
+            # The call's wall time stands for this batch's: in steady state it is what one step
+            # of the pipeline takes (this batch prepared while the one before computes).
+            if batch.items:
+                self.scheduler.observe_step(batch, time.perf_counter() - start)
+            return outputs
         except StepFailedError:
             raise
         except Exception as exc:  # outside the guarded parts (scheduling, settling): fail both steps

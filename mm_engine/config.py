@@ -89,6 +89,11 @@ class EngineConfig:
     # token budget). None: 768 on CPU (bench.serve, docs/benchmarks.md), no cap on GPU (not yet
     # measured there); 0: no cap.
     decode_step_prefill_tokens: int | None = None
+    # The same bound in time: a step with running decodes adds the prefill and encoding that its
+    # measured costs (sched/step_costs.py) say keep it within this factor of its decodes alone
+    # (2.0: the streams' next token waits at most about twice as long as with no prefill). Both
+    # bounds apply where both are set. None: not bounded in time.
+    step_time_factor: float | None = None
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True
     encoder_cache_bytes: int = 256 * 1024**2
@@ -135,6 +140,8 @@ class EngineConfig:
                      "max_grammar_depth", "grammar_cache_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.step_time_factor is not None and not self.step_time_factor > 1.0:
+            raise ValueError(f"step_time_factor must be above 1.0, got {self.step_time_factor}")
         if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens < 0:
             raise ValueError(
                 f"decode_step_prefill_tokens must be at least 0, got {self.decode_step_prefill_tokens}"

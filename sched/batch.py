@@ -23,6 +23,8 @@ class ScheduledBatch:
     # points of its chunk whose state the forward keeps: (tokens into the chunk, snapshot row).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_snapshots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    num_decodes: int = 0  # items that compute one token past their prompt
+    encoder_tokens: int = 0  # image tokens the scheduler charged to the encoder budget
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,10 @@ one token of the budget is set aside for every running request that is decoding,
 prefills (a new image request, image-first) never take a running stream's next token; only
 preemption (below) can. With `decode_step_prefill_tokens`, a step that runs decodes adds at most
 that many prefill tokens and encodes at most that many image tokens (or one image, whatever its
-size), so that how long the running streams wait for their next token stays bounded.
+size), so that how long the running streams wait for their next token stays bounded. With
+`step_time_factor` the bound is in time: such a step adds the prefill and encoder work that the
+measured step costs (step_costs.py) say keeps it within that factor of its decodes alone (at least
+a block of prefill, or one image, so that waiting requests always move).
 - a running request gets its next chunk (a decode is one token); when its pool has no block left,
   running requests ranked below it that are not yet scheduled this step are preempted, the fewest
   lowest-ranked ones that free blocks of the pool that is short (victims.py), else it waits itself;
@@ -25,6 +28,7 @@ must be written before any of its queries runs), before an image it would otherw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mm_engine.pools.block_manager import IMAGE, BlockManager
@@ -33,6 +37,7 @@ from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.batch import ScheduledBatch
 from mm_engine.sched.policy import Policy, outranks
+from mm_engine.sched.step_costs import StepCosts, StepShape
 from mm_engine.sched.victims import choose_victims
 from mm_engine.sched.waiting_queue import WaitingQueue
 from mm_engine.vision.encoder_cache import EncoderCache
@@ -57,6 +62,7 @@ class _Pass:
     admitting: str | None = None  # a swapped request being admitted (see _admit)
     reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
     one_image_free: bool = False  # a capped step still encodes one image, whatever its size
+    encode_weight: float = 0.0  # budget tokens one encoded image token takes (a time-bounded step)
 
 
 class Scheduler:
@@ -74,6 +80,7 @@ class Scheduler:
         decode_first: bool = True,
         decode_step_prefill_tokens: int | None = None,
         states: StatePool | None = None,
+        step_time_factor: float | None = None,
     ) -> None:
         """`states`: a hybrid model's recurrent-state pool; every running request holds a slot,
         so at most `min(max_num_seqs, slots)` run at once."""
@@ -89,6 +96,8 @@ class Scheduler:
         self.whole_images = whole_images
         self.decode_first = decode_first
         self.decode_step_prefill_tokens = decode_step_prefill_tokens
+        self.step_time_factor = step_time_factor
+        self.costs = StepCosts()  # learned from `observe_step`; used with `step_time_factor`
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []  # in rank order at the start of each step
         self._ranks: dict[str, tuple] = {}  # running request id -> its rank (fixed once admitted)
@@ -118,10 +127,9 @@ class Scheduler:
             if len(p.reserved) < p.budget and req.num_tokens - req.num_computed_tokens == 1:
                 p.reserved.add(req.request_id)
         p.budget -= len(p.reserved)
-        cap = self.decode_step_prefill_tokens
         # (Not for whole images: one must fit a step whole, and a cap below it would stall it.)
-        if p.reserved and cap is not None and cap < p.budget and not self.whole_images:
-            p.budget, p.encoder_left, p.one_image_free = cap, min(p.encoder_left, cap), True
+        if p.reserved and not self.whole_images:
+            self._cap_for_decodes(p)
         waiting = self.waiting.in_rank_order(now)
         try:
             nxt = next(waiting, None)
@@ -145,6 +153,25 @@ class Scheduler:
             waiting.close()  # what was looked at but stays waiting goes back into the queue
             batch.copies = self.blocks.take_copies()  # the partial prompt blocks copied on admission
         return batch
+
+    def _cap_for_decodes(self, p: _Pass) -> None:
+        """Bound the prefill and encoder work a step with running decodes adds (module docstring)."""
+        cap, enc = self.decode_step_prefill_tokens, p.encoder_left
+        costs = self.costs.fitted() if self.step_time_factor is not None else None
+        if costs is not None and costs.per_prefill > 0.0:
+            alone = costs.seconds(StepShape(len(p.reserved), 0, 0))
+            extra = (self.step_time_factor - 1.0) * alone
+            timed = max(self.blocks.block_size, int(extra / costs.per_prefill))
+            cap = timed if cap is None else min(cap, timed)
+            enc = int(extra / costs.per_encoded) if costs.per_encoded > 0.0 else enc
+            p.encode_weight = costs.per_encoded / costs.per_prefill
+        if cap is not None and cap < p.budget:
+            p.budget, p.encoder_left, p.one_image_free = cap, min(p.encoder_left, cap, enc), True
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """How long a batch this scheduler made took to run (the step-time bound learns from it)."""
+        decodes = batch.num_decodes
+        self.costs.observe(StepShape(decodes, batch.num_tokens - decodes, batch.encoder_tokens), seconds)
 
     @staticmethod
     def _release(req: Request, p: _Pass) -> None:
@@ -170,7 +197,10 @@ class Scheduler:
             if self.encoder_cache.contains(span.content_hash):
                 continue
             # Charged with what the tower produces (a tiled image's run also holds row/column tokens).
-            if cost + span.num_embeds > p.encoder_left and not (p.one_image_free and cost == 0):
+            left = p.encoder_left
+            if p.encode_weight > 0.0:  # a time-bounded step: encoding spends the time prefill would
+                left = min(left, int(max(0, p.budget - (span.offset - start)) / p.encode_weight))
+            if cost + span.num_embeds > left and not (p.one_image_free and cost == 0):
                 return max(0, span.offset - start), cost  # stop before the image that does not fit
             cost += span.num_embeds
         return n, cost
@@ -194,8 +224,12 @@ class Scheduler:
     def _take(self, req: Request, n: int, cost: int, p: _Pass) -> None:
         batch = p.batch
         batch.items.append((req, n))
-        p.budget -= n
+        # (Encoding may spend more than is left: one image always goes. Never below zero.)
+        p.budget = max(0, p.budget - n - math.ceil(cost * p.encode_weight))
         p.encoder_left -= cost
+        batch.encoder_tokens += cost
+        if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+            batch.num_decodes += 1
         p.one_image_free = p.one_image_free and cost == 0
         p.scheduled.add(req.request_id)
         if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image

@@ -43,10 +43,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(4, 24),
         cap=st.sampled_from([None, 1, 3, 8]),
         snapshots=st.sampled_from([None, 0, 1, 3, 8]),
+        factor=st.sampled_from([None, 1.5, 3.0]),
     )
-    def setup(self, mode, n_text, n_image, max_seqs, budget, cap, snapshots):
+    def setup(self, mode, n_text, n_image, max_seqs, budget, cap, snapshots, factor):
         """`snapshots`: None for a plain model; else a hybrid one with a state slot per seat and
-        that many snapshot rows (0: no prefix reuse)."""
+        that many snapshot rows (0: no prefix reuse). `factor`: steps bounded in time, each step
+        reported to take a made-up linear time."""
         spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
         self.kv = KVCache(spec, n_text + n_image, torch.device("cpu"))
         pools = BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image)
@@ -74,6 +76,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_waiting_requests=50,
             decode_step_prefill_tokens=cap,
             states=self.states,
+            step_time_factor=factor,
         )
         self.cap = cap
         self.budget = budget
@@ -120,6 +123,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now += dt
         decoding = [r.request_id for r in self.sched.running if r.num_tokens - r.num_computed_tokens == 1]
         batch = self.sched.schedule(self.now)
+        decodes = [r for r, n in batch.items if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
+        assert batch.num_decodes == len(decodes)
+        charged = [req.images[j] for req, j in batch.new_images]  # (the fake runner fills the cache later)
+        assert batch.encoder_tokens == sum(
+            s.num_embeds for s in charged if not self.encoder_cache.contains(s.content_hash)
+        )
         if len(decoding) <= self.budget:  # decodes first: each gets its token unless preempted
             given = {r.request_id for r, _ in batch.items} | {r.request_id for r in batch.preempted}
             assert set(decoding) <= given, "a running decode got no token"
@@ -150,6 +159,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 req.token_ids.append(7 + len(req.token_ids) % 3)  # a made-up sampled token
                 if len(req.output_token_ids) >= req.params.max_tokens:
                     self._finish(req.request_id)
+        prefill = batch.num_tokens - batch.num_decodes
+        self.sched.observe_step(
+            batch, 0.01 + 0.002 * batch.num_decodes + 0.001 * prefill + 0.003 * batch.encoder_tokens
+        )
 
     def _finish(self, rid: str) -> None:
         self.sched.finish(self.live.pop(rid))
