@@ -13,6 +13,7 @@ is the one its compute-floor fraction should be taken against.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import time
 from collections import defaultdict
@@ -41,7 +42,16 @@ class Job:
 
 
 def run_in_child(fn, job: Job) -> dict:
-    """`fn(job)` in a spawned process (fresh heap, fresh thread pool)."""
+    """`fn(job)` in a spawned process (fresh heap, fresh thread pool). With
+    `MM_ENGINE_BENCH_IN_PROCESS=1` (the tests of the bench tools) it runs in this process instead:
+    the same code, without a process start and an import of torch and transformers per run, and
+    figures that are not clean."""
+    if os.environ.get("MM_ENGINE_BENCH_IN_PROCESS") == "1":
+        threads = torch.get_num_threads()
+        try:
+            return fn(job)
+        finally:
+            torch.set_num_threads(threads)
     pool = multiprocessing.get_context("spawn").Pool(1)
     try:
         return pool.apply(fn, (job,))

@@ -109,3 +109,16 @@ def cpu_kernels(cpu_variant, cpu_lib):
     from mm_engine.kernels.cpu_kernels import KERNELS, CpuKernels
 
     return CpuKernels(cpu_variant, cpu_lib, frozenset(KERNELS))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with the most `slow` tests first (each file's own order kept): under xdist the long
+    tests then start early and the short ones fill the workers' gaps at the end, instead of one
+    worker finishing a minute-long test while the other waits."""
+    weight: dict[str, int] = {}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        path = str(item.path)
+        weight[path] = weight.get(path, 0) + bool(item.get_closest_marker("slow"))
+        first_seen.setdefault(path, i)
+    items.sort(key=lambda item: (-weight[str(item.path)], first_seen[str(item.path)]))

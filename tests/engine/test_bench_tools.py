@@ -18,6 +18,13 @@ from bench.machine import LlavaFlops, qwen_tower_flops
 from mm_engine import LLM
 
 
+@pytest.fixture(autouse=True)
+def _runs_in_process(monkeypatch):
+    """The bench tools' runs stay in this process: the same code without a spawn and an import of
+    torch and transformers per run (their isolation only matters to the figures)."""
+    monkeypatch.setenv("MM_ENGINE_BENCH_IN_PROCESS", "1")
+
+
 def _counted(fn) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()

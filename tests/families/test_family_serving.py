@@ -87,8 +87,10 @@ def test_batch_captioning(family, tmp_path):
     assert report["encoder_cache"]["entries"] >= 3
 
 
-def test_bench_offline_takes_a_family_checkpoint(vl_family):
+def test_bench_offline_takes_a_family_checkpoint(vl_family, monkeypatch):
     from bench import offline
+
+    monkeypatch.setenv("MM_ENGINE_BENCH_IN_PROCESS", "1")  # its runs without a spawn each
 
     path, _ = vl_family("qwen2_5_vl")
     res = offline.main(
