@@ -26,7 +26,7 @@ from mm_engine.core.model_runner import ModelRunner
 from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.prompt_logprobs import prompt_logprobs
 from mm_engine.core.reports import core_stats, kv_report
-from mm_engine.core.sampler import Sampler
+from mm_engine.core.sampler import NO_TOKEN, Sampler
 from mm_engine.core.structured_output import Grammars, GrammarWaitlist
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.models.loader import load_config, resolve_model_path
@@ -297,6 +297,18 @@ class EngineCore(OverlappedSteps):
         return outputs
 
     def _append(self, req: Request, token: int, now: float, lp: TokenLogprobs | None) -> CoreOutput:
+        if token == NO_TOKEN:  # its adjustments left nothing to sample: it ends, with what it has
+            logger.warning(
+                "request %s: no token is allowed at output %d (the grammar, allowed_token_ids, "
+                "bad_words and min_tokens together exclude every token); ended",
+                req.request_id, req.num_tokens - req.num_prompt_tokens,
+            )  # fmt: skip
+            self._finish(req, "abort")
+            return CoreOutput(
+                req.request_id, [], finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
+                first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+            )  # fmt: skip
         req.token_ids.append(token)
         out = CoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
         if req.first_token_time is None:

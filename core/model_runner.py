@@ -224,7 +224,8 @@ class ModelRunner:
             if prev_tokens is None:
                 raise ValueError("these inputs take the previous step's tokens; pass prev_tokens")
             rows, src = inputs.from_prev
-            ids = ids.index_put((rows,), prev_tokens[src])
+            # (A NO_TOKEN row's request ends when its token is read; its stale row here needs an id.)
+            ids = ids.index_put((rows,), prev_tokens[src].clamp_min(0))
         embeds = lm.embed_tokens(ids)
         deepstack = None
         if inputs.embed_rows is not None:

@@ -21,6 +21,10 @@ from mm_engine.kernels.host_copy import to_device
 from mm_engine.sampling_params import SamplingParams
 
 GREEDY_BELOW = 1e-5
+# The id of a row whose adjustments left no token allowed (a grammar that needs a token that
+# `allowed_token_ids` or `bad_words` forbid, `min_tokens` over an allowed set of stop tokens): the
+# core ends that request instead of sampling from nothing.
+NO_TOKEN = -1
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's limit)
 
 
@@ -80,6 +84,15 @@ class Sampler:
             if rows is None or len(rows) != len(params):
                 raise ValueError("these sampling params adjust the logits: pass each row's context")
             logits = adjust_logits(logits.clone(), params, rows)
+            empty = logits.amax(dim=-1) == float("-inf")
+            sampled = self._sample(logits, params, generators)
+            sampled.ids = sampled.ids.masked_fill(empty, NO_TOKEN)
+            return sampled
+        return self._sample(logits, params, generators)
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> Sampled:
         greedy_ids = logits.argmax(dim=-1)
         # A temperature this small only overflows the division; it means greedy (as in vLLM).
         greedy = [p.temperature < GREEDY_BELOW for p in params]

@@ -178,6 +178,29 @@ def test_penalised_tokens_are_the_same_with_async_scheduling(clip_llama):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_row_left_with_no_token_ends_its_request_and_no_other(clip_llama, async_scheduling):
+    """`a` once, then `a a` is a bad word and min_tokens masks EOS: nothing is left to sample. The
+    request ends ("abort") with the tokens it had, rather than a made-up token with a NaN logprob."""
+    from helpers.families import assert_all_free
+
+    kw = dict(async_scheduling=True, async_launch="thread") if async_scheduling else {}
+    llm = LLM(clip_llama, kv_cache_memory_bytes=8 * 1024**2, max_num_seqs=2, **kw)
+    prompt = "USER: bottom left ASSISTANT:"
+    eos = sorted(llm.engine.frontend.eos_token_ids)[0]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = 5
+    stuck = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, allowed_token_ids=[a, eos],
+                           bad_words_token_ids=[[a, a]], logprobs=2)  # fmt: skip
+    want = llm.generate(prompt, plain)[0].outputs[0].token_ids
+    out = llm.generate([prompt, prompt], [stuck, plain])
+    ended, other = out[0].outputs[0], out[1].outputs[0]
+    assert ended.token_ids == [a] and ended.finish_reason == "abort"
+    assert all(x.logprob == x.logprob for step in ended.logprobs for x in step.values())  # no NaN
+    assert other.token_ids == want and other.finish_reason == "length"
+    assert_all_free(llm)
+
+
 def test_the_openai_client_sends_them_and_gets_the_offline_answer(clip_llama):
     from helpers.api import served_in_process
 
