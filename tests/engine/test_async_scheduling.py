@@ -76,8 +76,10 @@ def test_same_tokens_through_eos_images_and_seeded_sampling(clip_llama, mode):
 def test_same_batches_and_tokens_through_preemption(clip_llama, mode, preemption_mode):
     """No request ends on EOS here, so the scheduler must make exactly the batches (and the
     preemptions) of the plain loop: each in-flight token counts as if it were there, and a
-    request whose last token is in flight leaves on time."""
-    kw = dict(TIGHT, preemption_mode=preemption_mode)
+    request whose last token is in flight leaves on time. First come, first served: the priority
+    policy's aging ranks each request by how long it waited in wall-clock time, so two runs could
+    rank (and preempt) differently when the machine is busy."""
+    kw = dict(TIGHT, preemption_mode=preemption_mode, scheduling_policy="fcfs")
     plain = _llm(clip_llama, None, **kw)
     plain_batches = _record_batches(plain)
     expected = _run(plain, 8, ignore_eos=True)
