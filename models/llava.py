@@ -24,6 +24,7 @@ from transformers.activations import ACT2FN
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
 from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.models.layers.packed_linear import PackedLinear
+from mm_engine.models.layers.vit_tower import VitTower, own_tower_kind, tower_state
 from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
@@ -124,11 +125,12 @@ class LlavaModel(MultimodalModel):
         self.config = config
         self.layers = feature_layers(config)
         self.vision_tower = vision_tower
-        self.vision_tower.encoder.layers = self.vision_tower.encoder.layers[: max(self.layers)]
-        for module in self.vision_tower.modules():
-            if getattr(module, "use_head", False):
-                # SigLIP's attention-pooling head makes a pooled vector that LLaVA never reads.
-                module.use_head = False
+        if not isinstance(vision_tower, VitTower):  # transformers' tower: what LLaVA never reads goes
+            self.vision_tower.encoder.layers = self.vision_tower.encoder.layers[: max(self.layers)]
+            for module in self.vision_tower.modules():
+                if getattr(module, "use_head", False):
+                    # SigLIP's attention-pooling head makes a pooled vector that LLaVA never reads.
+                    module.use_head = False
         in_dim = config.vision_config.hidden_size * len(self.layers)
         self.multi_modal_projector = Projector(
             in_dim, config.text_config.hidden_size, config.projector_hidden_act, projector_bias, dtype
@@ -153,8 +155,13 @@ class LlavaModel(MultimodalModel):
         vision_state, projector_state, lm_state, extra = split_weights(read_weights(path), cls.extra_weights)
         extra = materialize(extra)
         lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
-        tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-        load_strict(tower, vision_state, "vision tower")
+        if own_tower_kind(config.vision_config) is not None:  # CLIP, SigLIP: the engine's own
+            layers = feature_layers(config)
+            tower = VitTower(config.vision_config, layers, platform.ops).to(device=device, dtype=vision_dtype)
+            load_strict(tower, tower_state(materialize(vision_state), max(layers)), "vision tower")
+        else:
+            tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
+            load_strict(tower, vision_state, "vision tower")
         with torch.device(device):
             model = cls(config, tower, lm, "linear_1.bias" in projector_state, dtype)
         load_strict(model.multi_modal_projector, projector_state, "projector")
@@ -168,8 +175,12 @@ class LlavaModel(MultimodalModel):
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, tokens_per_image, text hidden size] in the LM's dtype."""
-        out = self.vision_tower(pixel_values.to(self.vision_dtype), output_hidden_states=True)
-        feats = [out.hidden_states[i] for i in self.layers]
+        pixels = pixel_values.to(self.vision_dtype)
+        if isinstance(self.vision_tower, VitTower):
+            feats = self.vision_tower(pixels)
+        else:
+            states = self.vision_tower(pixels, output_hidden_states=True).hidden_states
+            feats = [states[i] for i in self.layers]
         if self.config.vision_feature_select_strategy == "default":
             feats = [f[:, 1:] for f in feats]
         feats = torch.cat(feats, dim=-1)

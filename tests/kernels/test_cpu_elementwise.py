@@ -101,8 +101,9 @@ def test_the_platform_fills_the_models_ops_and_keeps_its_outputs(siglip_qwen2):
     lm_mlps = [m for m in fast.modules() if isinstance(m, MLP)]
     assert lm_mlps and all(isinstance(m.ops, CpuOps) for m in lm_mlps)
     assert all(m.ops is TORCH_OPS for m in plain.modules() if hasattr(m, "ops"))
-    layers = fast.vision_tower.encoder.layers
-    assert all(isinstance(layer.mlp.activation_fn, OpsGeluTanh) for layer in layers)
+    layers = fast.vision_tower.layers  # the engine's own SigLIP tower: tanh-GELU through the ops
+    assert all(layer.mlp.act == layer.self_attn.ops.gelu_tanh for layer in layers)
+    assert all(isinstance(layer.self_attn.ops, CpuOps) for layer in layers)
     assert not any(isinstance(m, OpsGeluTanh) for m in plain.modules())
     size = fast.config.vision_config.image_size
     pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2))

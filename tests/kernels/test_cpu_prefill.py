@@ -124,30 +124,43 @@ def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
 
 
 def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enabled(siglip_qwen2):
-    """By default the measured table decides (SDPA won on every ISA measured so far); with the
-    kernel enabled the tower's attention goes through it, and the features are the same."""
+    """By default the measured table decides; with the kernel enabled the engine's own SigLIP
+    tower's attention goes through it, and the features are the same."""
     from mm_engine import LLM
-    from mm_engine.models.platform import VISION_ATTENTION
+    from mm_engine.kernels.ops import TORCH_OPS
 
     kw = {"kv_cache_memory_bytes": 4 * 1024**2}
     default = LLM(siglip_qwen2, **kw).engine.core
-    routed = default.model.vision_tower.config._attn_implementation == VISION_ATTENTION
-    assert routed == default.platform.kernels.uses("vision_attention")
+    ops = default.model.vision_tower.layers[0].self_attn.ops
+    assert ops.c_vision == default.platform.kernels.uses("vision_attention")
     fast = LLM(siglip_qwen2, cpu_kernels="all", **kw).engine.core  # the engine argument, not the environment
     plain = LLM(siglip_qwen2, attention_backend="torch", **kw).engine.core
+    assert all(layer.self_attn.ops.c_vision for layer in fast.model.vision_tower.layers)
+    assert all(layer.self_attn.ops is TORCH_OPS for layer in plain.model.vision_tower.layers)
+    size = fast.hf_config.vision_config.image_size
+    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
+    want = plain.model.encode_images(pixels)
+    torch.testing.assert_close(fast.model.encode_images(pixels), want, rtol=1e-3, atol=5e-5)
+
+
+def test_a_transformers_tower_is_routed_through_the_kernel_where_it_is_enabled(vl_family):
+    """A family whose tower is still transformers' (Gemma 3's SigLIP) gets its attention through
+    the engine's function where the kernel is on: each engine's own, nothing shared in a global."""
+    from mm_engine import LLM
+    from mm_engine.models.platform import VISION_ATTENTION
+
+    path, _ = vl_family("gemma3")
+    kw = {"kv_cache_memory_bytes": 4 * 1024**2}
+    fast = LLM(path, cpu_kernels="all", **kw).engine.core
+    plain = LLM(path, attention_backend="torch", **kw).engine.core
     assert fast.model.vision_tower.config._attn_implementation == VISION_ATTENTION
     assert not plain.model.vision_tower.config._attn_implementation.startswith("mm_engine")
-    # each engine's tower modules carry that engine's own function (nothing shared in a global)
-    other = LLM(siglip_qwen2, cpu_kernels="all", **kw).engine.core
+    other = LLM(path, cpu_kernels="all", **kw).engine.core
 
     def functions(engine) -> set:
         return {getattr(m, "mm_engine_attention", None) for m in engine.model.vision_tower.modules()} - {None}
 
     assert len(functions(fast)) == 1 and functions(fast).isdisjoint(functions(other))
-    size = fast.hf_config.vision_config.image_size
-    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
-    want = plain.model.encode_images(pixels)
-    torch.testing.assert_close(fast.model.encode_images(pixels), want, rtol=1e-3, atol=5e-5)
 
 
 @pytest.mark.parametrize("windows", [False, True])
