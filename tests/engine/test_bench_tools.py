@@ -32,14 +32,20 @@ def _counted(fn) -> int:
 
 
 @pytest.mark.parametrize("fixture", ["clip_llama", "siglip_qwen2"])
-def test_flop_counts_match_torch_flop_counter(fixture, request):
+def test_flop_counts_match_torch_flop_counter(fixture, request, monkeypatch):
     path = request.getfixturevalue(fixture)
     cfg = AutoConfig.from_pretrained(path)
     flops = LlavaFlops.from_config(cfg)
-    # Vision: what the engine's own tower and projector run for one image.
-    # (FlopCounterMode counts aten matmuls; the packed oneDNN linears are invisible to it.)
-    engine_model = LLM(path, kv_cache_memory_bytes=4 * 1024**2, cpu_packed_weights=False).engine.core.model
-    engine_model.vision_tower.config._attn_implementation = "eager"  # attention as plain matmuls
+    # Vision: what the engine's own tower and projector run for one image. (FlopCounterMode counts
+    # aten matmuls and SDPA: the torch ops, not the C kernels or packed oneDNN linears.)
+    engine_model = LLM(
+        path, kv_cache_memory_bytes=4 * 1024**2, cpu_packed_weights=False, attention_backend="torch"
+    ).engine.core.model
+
+    def eager(q, k, v, scale):  # attention as plain matmuls: the counter does not see CPU SDPA's
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", eager)
     size = cfg.vision_config.image_size
     vision = _counted(lambda: engine_model.encode_images(torch.zeros(1, 3, size, size)))
     assert vision == pytest.approx(flops.vision_per_image, rel=1e-9)
