@@ -26,7 +26,7 @@ KINDS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 
 
 def own_tower_kind(config) -> str | None:
-    """ "clip" or "siglip" where the engine has its own tower for this vision config, else None."""
+    """The kind of tower ("clip", "siglip") where the engine has its own for this vision config."""
     return KINDS.get(getattr(config, "model_type", None))
 
 
