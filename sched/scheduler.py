@@ -146,8 +146,10 @@ class Scheduler:
                     else:
                         nxt = None  # waiting requests never overtake each other
                     continue
-                self._release(running[i], p)  # its set-aside token, to take now
+                released = self._release(running[i], p)  # its set-aside token, to take now
                 self._schedule_running(running[i], p)
+                if released and running[i].request_id not in p.scheduled:
+                    p.budget = max(0, p.budget - 1)  # not taken (it gave way): not a prefill's either
                 i += 1
         finally:
             waiting.close()  # what was looked at but stays waiting goes back into the queue
@@ -174,11 +176,13 @@ class Scheduler:
         self.costs.observe(StepShape(decodes, batch.num_tokens - decodes, batch.encoder_tokens), seconds)
 
     @staticmethod
-    def _release(req: Request, p: _Pass) -> None:
+    def _release(req: Request, p: _Pass) -> bool:
         """Give a decode's set-aside token back to the budget, for it to take now."""
         if req.request_id in p.reserved:
             p.reserved.discard(req.request_id)
             p.budget += 1
+            return True
+        return False
 
     def _chunk(self, req: Request, p: _Pass) -> tuple[int, int]:
         """Tokens this request may compute now, and the image tokens to encode for them."""
