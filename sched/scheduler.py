@@ -161,12 +161,10 @@ class Scheduler:
         cap, enc = self.decode_step_prefill_tokens, p.encoder_left
         costs = self.costs.fitted() if self.step_time_factor is not None else None
         if costs is not None and costs.per_prefill > 0.0:
-            alone = costs.seconds(StepShape(len(p.reserved), 0, 0))
-            extra = (self.step_time_factor - 1.0) * alone
-            timed = max(self.blocks.block_size, int(extra / costs.per_prefill))
+            timed, timed_enc, p.encode_weight = costs.allowance(len(p.reserved), self.step_time_factor)
+            timed = max(self.blocks.block_size, timed)
             cap = timed if cap is None else min(cap, timed)
-            enc = int(extra / costs.per_encoded) if costs.per_encoded > 0.0 else enc
-            p.encode_weight = costs.per_encoded / costs.per_prefill
+            enc = enc if timed_enc is None else timed_enc
         if cap is not None and cap < p.budget:
             p.budget, p.encoder_left, p.one_image_free = cap, min(p.encoder_left, cap, enc), True
 

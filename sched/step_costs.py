@@ -41,6 +41,14 @@ class Costs:
         x = shape.features()
         return self.fixed * x[0] + self.per_decode * x[1] + self.per_prefill * x[2] + self.per_encoded * x[3]
 
+    def allowance(self, decodes: int, factor: float) -> tuple[int, int | None, float]:
+        """What a step of `decodes` may add to take at most `factor` times as long as they alone:
+        prefill tokens, encoded image tokens (None: no bound known), and the prefill tokens one
+        encoded token's time is worth. Needs `per_prefill` above zero."""
+        extra = (factor - 1.0) * self.seconds(StepShape(decodes, 0, 0))
+        encoded = int(extra / self.per_encoded) if self.per_encoded > 0.0 else None
+        return int(extra / self.per_prefill), encoded, self.per_encoded / self.per_prefill
+
 
 class StepCosts:
     def __init__(self, decay: float = 0.98, min_steps: int = 8) -> None:
