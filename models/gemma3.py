@@ -10,8 +10,9 @@ scheduler never splits an image across prefill chunks, since every key of a run 
 before any of its queries runs. The language model (gemma_layers.py) alternates
 sliding-window and global layers.
 
-Tower and projector are transformers' modules; the language model runs on the engine's paged
-layers. Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
+The tower is the engine's SigLIP (layers/vit_tower.py, its final norm included), the projector
+transformers' module; the language model runs on the engine's paged layers.
+Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
 `lm_head.*` (tied in the published checkpoints).
 """
 
@@ -27,6 +28,7 @@ from PIL import Image
 
 from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.layers.gemma import GemmaLM
+from mm_engine.models.layers.vit_tower import VitTower, own_tower_kind, tower_state
 from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.models.weights import (
@@ -125,6 +127,16 @@ class Gemma3Model(TowerProjectorModel):
         return Gemma3MultiModalProjector
 
     @classmethod
+    def build_tower(cls, state: dict, config, platform: Platform) -> VitTower:
+        vc = config.vision_config
+        if own_tower_kind(vc) != "siglip":
+            raise ValueError(f"unsupported vision tower {vc.model_type!r} for Gemma 3")
+        depth = vc.num_hidden_layers
+        tower = VitTower(vc, [depth], platform.ops, post_norm=True)
+        load_strict(tower, tower_state(state, depth, "siglip", post_norm=True), "vision tower")
+        return tower
+
+    @classmethod
     def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform, tp=None):
         if tp is not None:
             check_divisible(config.text_config, tp.world)
@@ -138,7 +150,7 @@ class Gemma3Model(TowerProjectorModel):
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
         lm_weight = self.language_model.embed_tokens.weight
         pixels = torch.cat([span.pixel_values for span in images]).to(lm_weight.device, self.vision_dtype)
-        hidden = self.vision_tower(pixel_values=pixels).last_hidden_state
+        (hidden,) = self.vision_tower(pixels)
         feats = self.multi_modal_projector(hidden.to(lm_weight.dtype))  # [frames, tokens, hidden]
         feats = feats.reshape(-1, 1, feats.shape[-1])  # an image's frames: itself, then any crops
         return list(feats.split([span.num_embeds for span in images]))

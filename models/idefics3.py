@@ -10,8 +10,10 @@ then `\\n<fake_token_around_image><global-img>` + `<image>` x image_seq_len +
 `<fake_token_around_image>`; only the `<image>` positions carry embeddings. The language model is
 Llama's, with 1-D positions.
 
-Tower and connector are transformers' own modules; the language model runs on the engine's paged
-layers. Weights: `model.vision_model.*`, `model.connector.*`, `model.text_model.*`, `lm_head.*`.
+The tower is the engine's (layers/vit_tower.py: SigLIP with Idefics3's NaViT position buckets;
+every tile is whole, since the processor pads no tile), the connector transformers' module; the
+language model runs on the engine's paged layers.
+Weights: `model.vision_model.*`, `model.connector.*`, `model.text_model.*`, `lm_head.*`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import torch
 from PIL import Image
 
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.layers.vit_tower import VitTower, tower_state
 from mm_engine.models.options import longest_edge
 from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
+    materialize,
     read_weights,
     ready,
     split_by_prefix,
@@ -92,13 +96,14 @@ class Idefics3Processing(Processing):
             images=[[image]], size={"longest_edge": edge}, return_row_col_info=True, return_tensors="pt"
         )
         pixels, mask = out["pixel_values"][0], out.get("pixel_attention_mask")
-        mask = None if mask is None or bool(mask.all()) else mask[0]
+        if mask is not None and not bool(mask.all()):  # the engine's tower takes whole tiles only
+            raise ValueError("the image processor padded inside a tile, which the vision tower does not take")
         ids, embed_mask = self.run(out["rows"][0][0], out["cols"][0][0])
         n = pixels.shape[0] * self.seq_len
         if sum(embed_mask) != n:
             raise ValueError(f"the placeholder run has {sum(embed_mask)} image tokens for {n} embeddings")
         digest = image_content_hash(image, f"{self._salt}|{edge}".encode())
-        return ProcessedImage(pixels, ids, embed_mask, n, digest, pixel_mask=mask)
+        return ProcessedImage(pixels, ids, embed_mask, n, digest)
 
 
 def _route(key: str) -> tuple[str, str] | None:
@@ -119,7 +124,6 @@ class Idefics3Model(MultimodalModel):
         self.connector = connector
         self.language_model = language_model
         self.image_token_id = config.image_token_id
-        self.patch_size = config.vision_config.patch_size
 
     @property
     def vision_dtype(self) -> torch.dtype:
@@ -129,14 +133,7 @@ class Idefics3Model(MultimodalModel):
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
         device = self.language_model.embed_tokens.weight.device
         pixels = torch.cat([span.pixel_values for span in images]).to(device, self.vision_dtype)
-        full = [torch.ones(span.pixel_values.shape[0], *pixels.shape[2:]) for span in images]
-        masks = [
-            m if span.pixel_mask is None else span.pixel_mask for span, m in zip(images, full, strict=True)
-        ]
-        p = self.patch_size
-        pixel_mask = torch.cat(masks).to(device=device, dtype=torch.bool)
-        patches = pixel_mask.unfold(1, p, p).unfold(2, p, p).sum(dim=(-1, -2)) > 0
-        hidden = self.vision_model(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
+        (hidden,) = self.vision_model(pixels)
         lm_dtype = self.language_model.embed_tokens.weight.dtype
         feats = self.connector(hidden.to(lm_dtype))  # [tiles, image_seq_len, hidden]
         feats = feats.reshape(-1, 1, feats.shape[-1])
@@ -148,17 +145,17 @@ class Idefics3Model(MultimodalModel):
         platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> MultimodalModel:  # fmt: skip
         if config.model_type == "smolvlm":
-            from transformers.models.smolvlm import modeling_smolvlm as hf
-
-            tower_cls, connector_cls = hf.SmolVLMVisionTransformer, hf.SmolVLMConnector
+            from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector as connector_cls
         else:
-            from transformers.models.idefics3 import modeling_idefics3 as hf
-
-            tower_cls, connector_cls = hf.Idefics3VisionTransformer, hf.Idefics3Connector
+            from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector as connector_cls
         parts = split_by_prefix(read_weights(path), _route, config.model_type)
         lm = build_language_model(parts.get("lm", {}), config.text_config, dtype, device, platform.ops, tp=tp)
-        tower = tower_cls._from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-        load_strict(tower, parts.get("vision", {}), "vision tower")
+        depth = config.vision_config.num_hidden_layers
+        with torch.device(device):
+            tower = VitTower(config.vision_config, [depth], platform.ops, post_norm=True)
+        state = tower_state(materialize(parts.get("vision", {})), depth, "navit", post_norm=True)
+        load_strict(tower, state, "vision tower")
+        tower = tower.to(vision_dtype)
         connector = connector_cls(config).to(device=device, dtype=dtype)  # in the LM's dtype
         load_strict(connector, parts.get("connector", {}), "connector")
         model = cls(config, tower, connector, lm)

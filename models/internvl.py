@@ -8,8 +8,9 @@ InternViT tower; the class token is dropped, a pixel shuffle folds 2x2 patches i
 `<IMG_CONTEXT>` becomes `<img>` + `<IMG_CONTEXT>` x (tiles x image_seq_length) + `</img>`; only the
 context tokens carry embeddings. The language model is Qwen2's or Llama's, with 1-D positions.
 
-Tower and projector are transformers' own modules; the language model runs on the engine's paged
-layers. Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
+The tower is the engine's InternViT (layers/vit_tower.py), the projector transformers' module;
+the language model runs on the engine's paged layers.
+Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
 `lm_head.*` (tied in the tiny test checkpoints).
 """
 
@@ -24,8 +25,12 @@ import torch
 from PIL import Image
 
 from mm_engine.models.interface import ProcessedImage, Processing
+from mm_engine.models.layers.vit_tower import VitTower, tower_state
+from mm_engine.models.llava import feature_layers
 from mm_engine.models.options import positive_option
+from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
+from mm_engine.models.weights import load_strict
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
@@ -109,10 +114,17 @@ class InternVLModel(TowerProjectorModel):
     def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
         super().__init__(config, vision_tower, projector, language_model)
         self.factor = int(1 / config.downsample_ratio)
-        layer = config.vision_feature_layer
-        if not isinstance(layer, int):
+
+    @classmethod
+    def build_tower(cls, state: dict, config, platform: Platform) -> VitTower:
+        if not isinstance(config.vision_feature_layer, int):
             raise ValueError("a list of vision_feature_layer values is not supported for InternVL")
-        self.feature_layer = layer
+        (layer,) = feature_layers(config)
+        # -1 reads `last_hidden_state`: through the final norm, unless the tower mean-pools.
+        post_norm = config.vision_feature_layer == -1 and not config.vision_config.use_mean_pooling
+        tower = VitTower(config.vision_config, [layer], platform.ops, post_norm=post_norm)
+        load_strict(tower, tower_state(state, layer, "internvit", post_norm), "vision tower")
+        return tower
 
     @staticmethod
     def projector_class():
@@ -124,8 +136,7 @@ class InternVLModel(TowerProjectorModel):
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
         lm_weight = self.language_model.embed_tokens.weight
         pixels = torch.cat([span.pixel_values for span in images]).to(lm_weight.device, self.vision_dtype)
-        out = self.vision_tower(pixel_values=pixels, output_hidden_states=self.feature_layer != -1)
-        feats = out.last_hidden_state if self.feature_layer == -1 else out.hidden_states[self.feature_layer]
+        (feats,) = self.vision_tower(pixels)
         if self.config.vision_feature_select_strategy == "default":
             feats = feats[:, 1:]  # the class token
         side = int(feats.shape[1] ** 0.5)

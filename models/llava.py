@@ -155,10 +155,11 @@ class LlavaModel(MultimodalModel):
         vision_state, projector_state, lm_state, extra = split_weights(read_weights(path), cls.extra_weights)
         extra = materialize(extra)
         lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
-        if own_tower_kind(config.vision_config) is not None:  # CLIP, SigLIP: the engine's own
+        kind = own_tower_kind(config.vision_config)
+        if kind is not None:  # CLIP, SigLIP: the engine's own
             layers = feature_layers(config)
             tower = VitTower(config.vision_config, layers, platform.ops).to(device=device, dtype=vision_dtype)
-            load_strict(tower, tower_state(materialize(vision_state), max(layers)), "vision tower")
+            load_strict(tower, tower_state(materialize(vision_state), max(layers), kind), "vision tower")
         else:
             tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
             load_strict(tower, vision_state, "vision tower")

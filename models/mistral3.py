@@ -8,8 +8,9 @@ prompt's `[IMG]` becomes, per row of merged patches, `[IMG]` x columns then `[IM
 break replaced by `[IMG_END]`; only the `[IMG]` positions carry embeddings. The language model is
 Mistral's, with 1-D positions.
 
-Tower and projector are transformers' own modules; the language model runs on the engine's paged
-layers. Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
+The tower is the engine's Pixtral (layers/pixtral_tower.py), the projector transformers' module;
+the language model runs on the engine's paged layers.
+Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
 `lm_head.*` (or the older `vision_tower.*`, `language_model.model.*` layout).
 """
 
@@ -21,13 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.models.interface import ProcessedImage, Processing
+from mm_engine.models.layers.pixtral_tower import PixtralTower, pixtral_state
+from mm_engine.models.llava import feature_layers
 from mm_engine.models.options import longest_edge
+from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
+from mm_engine.models.weights import load_strict
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
 
@@ -74,28 +78,25 @@ class PixtralProcessing(Processing):
 class Mistral3Model(TowerProjectorModel):
     family = "Mistral 3"
 
-    def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
-        super().__init__(config, vision_tower, projector, language_model)
-        layers = config.vision_feature_layer
-        self.layers = [layers] if isinstance(layers, int) else list(layers)
-
     @staticmethod
     def projector_class():
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 
         return Mistral3MultiModalProjector
 
+    @classmethod
+    def build_tower(cls, state: dict, config, platform: Platform) -> PixtralTower:
+        layers = feature_layers(config)
+        tower = PixtralTower(config.vision_config, layers, platform.ops)
+        load_strict(tower, pixtral_state(state, max(layers)), "vision tower")
+        tower.fuse()
+        return tower
+
     @torch.inference_mode()
     def encode(self, images: list[ImageSpan]) -> list[torch.Tensor]:
         lm_weight = self.language_model.embed_tokens.weight
-        height = max(span.grid[0] for span in images)
-        width = max(span.grid[1] for span in images)
-        # One padded batch; the tower cuts each image back to its own size before the patches meet.
-        pixels = torch.stack(
-            [F.pad(s.pixel_values, (0, width - s.grid[1], 0, height - s.grid[0])) for s in images]
-        ).to(lm_weight.device, self.vision_dtype)
+        pixels = [span.pixel_values.to(lm_weight.device, self.vision_dtype) for span in images]
+        feats = torch.cat(self.vision_tower(pixels), dim=-1)
         sizes = to_device([span.grid for span in images], None, lm_weight.device)
-        out = self.vision_tower(pixels, image_sizes=sizes, output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1).squeeze(0)
         feats = self.multi_modal_projector(feats.to(lm_weight.dtype), sizes)
         return list(feats.reshape(-1, 1, feats.shape[-1]).split([span.num_embeds for span in images]))

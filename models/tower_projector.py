@@ -1,7 +1,7 @@
-"""The layout InternVL, Mistral 3 and Gemma 3 share: transformers' vision tower, the family's
-projector (transformers' class too), the engine's language model, loaded from checkpoints laid
-out LLaVA-style (`vision_tower.*`, `multi_modal_projector.*`, `language_model.*`, `lm_head.*`).
-A family subclass names its projector and writes `encode`."""
+"""The layout InternVL, Mistral 3 and Gemma 3 share: a vision tower of the engine's own, the
+family's projector (transformers' class), the engine's language model, loaded from checkpoints
+laid out LLaVA-style (`vision_tower.*`, `multi_modal_projector.*`, `language_model.*`,
+`lm_head.*`). A family subclass builds its tower, names its projector and writes `encode`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from mm_engine.models.interface import MultimodalModel
 from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
-    load_tower_and_projector,
+    load_strict,
+    materialize,
     read_weights,
     ready,
     route_tower_projector_lm,
@@ -42,6 +43,12 @@ class TowerProjectorModel(MultimodalModel):
         raise NotImplementedError
 
     @classmethod
+    def build_tower(cls, state: dict, config, platform: Platform) -> torch.nn.Module:
+        """The family's tower (float32, on the current default device) with the checkpoint's
+        weights (`state`: the tower's part)."""
+        raise NotImplementedError
+
+    @classmethod
     def build_language_model(cls, lm_state: dict, config, dtype, device, platform: Platform, tp=None):
         return build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
 
@@ -52,8 +59,10 @@ class TowerProjectorModel(MultimodalModel):
     ) -> MultimodalModel:  # fmt: skip
         parts = split_by_prefix(read_weights(path), route_tower_projector_lm, cls.family)
         lm = cls.build_language_model(parts.get("lm", {}), config, dtype, device, platform, tp)
-        tower, projector = load_tower_and_projector(
-            parts, config, cls.projector_class(), dtype, vision_dtype, device
-        )
+        with torch.device(device):
+            tower = cls.build_tower(materialize(parts.get("vision", {})), config, platform)
+        tower = tower.to(vision_dtype)
+        projector = cls.projector_class()(config).to(device=device, dtype=dtype)  # in the LM's dtype
+        load_strict(projector, parts.get("projector", {}), "projector")
         model = cls(config, tower, projector, lm)
         return ready(model, model.vision_tower, platform, pack_weights)

@@ -139,15 +139,3 @@ def ready(model, tower: nn.Module, platform: Platform, pack_weights: bool):
     if pack_weights:
         pack_model_linears(model, model.language_model, platform)
     return model
-
-
-def load_tower_and_projector(parts: dict, config, projector_cls, dtype, vision_dtype, device):
-    """transformers' tower for `config.vision_config` in `vision_dtype` and the family's projector
-    in the LM's dtype, each with its part of the checkpoint."""
-    from transformers import AutoModel
-
-    tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-    load_strict(tower, parts.get("vision", {}), "vision tower")
-    projector = projector_cls(config).to(device=device, dtype=dtype)
-    load_strict(projector, parts.get("projector", {}), "projector")
-    return tower, projector

@@ -39,11 +39,13 @@ class FeedForward(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, ops: TorchOps) -> None:
+    """Rotary attention over packed images (Qwen's towers, and Pixtral's without biases)."""
+
+    def __init__(self, dim: int, heads: int, ops: TorchOps, bias: bool = True) -> None:
         super().__init__()
         self.heads, self.head_dim, self.ops = heads, dim // heads, ops
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments):
         tokens, h = x.shape[0], self.heads
