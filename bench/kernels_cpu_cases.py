@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from mm_engine.kernels.cpu_kernels import CpuKernels
-from mm_engine.kernels.metadata import AttentionMetadata
+from mm_engine.kernels.metadata import AttentionMetadata, Segments
 from mm_engine.kernels.ops import CpuOps, TorchOps
 from mm_engine.kernels.torch_backend import TorchBackend
 from mm_engine.models.layers.vision_layout import tower_layout
@@ -100,13 +99,14 @@ def attention_cases(
             lambda key=key, value=value, k=k, v=v, s=slots: plain.write_kv(key, value, k, v, s),
         ))  # fmt: skip
     images, tokens, heads = (8, 196, 12) if not quick else (2, 20, 2)
-    x = torch.randn(images, tokens, 3, heads, DIM, generator=g)
-    q, k, v = (x[:, :, j].transpose(1, 2) for j in range(3))  # as a vision tower hands them over
+    # Views into one fused QKV output of packed images, as the engine's towers hand them over.
+    q, k, v = torch.randn(images * tokens, 3, heads, DIM, generator=g).unbind(1)
+    whole = Segments.of([tokens] * images)
     ops = CpuOps(kernels)
     out.append((
         "vision_attention", f"{images} images x {tokens} tokens x {heads} heads",
-        lambda: ops.bidirectional_attention(q, k, v, 0.125),
-        lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125).transpose(1, 2),
+        lambda: ops.varlen_attention(q, k, v, whole, 0.125),
+        lambda: TorchOps.varlen_attention(ops, q, k, v, whole, 0.125),
     ))  # fmt: skip
     # Qwen2.5-VL's windowed layers: 64-patch windows (edge windows smaller) of images 30 x 28 patches.
     for n in (1, 16) if not quick else (1,):

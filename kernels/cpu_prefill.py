@@ -82,24 +82,6 @@ def paged_prefill(
     return out if status == 0 else None
 
 
-def bidirectional(lib: ctypes.CDLL, query, key, value, scale: float) -> torch.Tensor | None:
-    """Full attention within each image: `[batch, heads, tokens, dim]` in (transformers' layout),
-    `[batch, tokens, heads, dim]` out. Each image is one sequence and one "block" of the kernel;
-    None where it does not apply."""
-    if not takes(query, key, value) or not key.shape == value.shape == query.shape:
-        return None
-    batch, heads, tokens, dim = query.shape
-    per_image = [tokens] * batch
-    tables = torch.arange(batch, dtype=torch.int32)[:, None]
-    q = query.transpose(1, 2).reshape(batch * tokens, heads, dim)  # a view for [B, T, H, D] storage
-    k, v = key.transpose(1, 2), value.transpose(1, 2)  # [images, tokens, heads, dim] as the pool's view
-    if k.stride() != v.stride():
-        return None
-    starts = [b * tokens for b in range(batch)]
-    out = paged_prefill(lib, q, k, v, tables, starts, per_image, per_image, scale, causal=False)
-    return None if out is None else out.view(batch, tokens, heads, dim)
-
-
 def varlen(lib: ctypes.CDLL, query, key, value, starts, lens, scale: float) -> torch.Tensor | None:
     """Full attention within each segment of packed rows (a vision tower's images or windows):
     `[tokens, heads, dim]` each, any row and head strides (views into one QKV output), segment i

@@ -125,11 +125,6 @@ class TorchOps:
                 start += n
         return out
 
-    def bidirectional_attention(self, query, key, value, scale: float) -> torch.Tensor | None:
-        """Full attention within each image, `[batch, heads, tokens, dim]` in, `[batch, tokens,
-        heads, dim]` out; None: the caller's own attention (SDPA) answers."""
-        return None
-
     def varlen_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, scale: float
     ) -> torch.Tensor:
@@ -223,11 +218,6 @@ class CpuOps(TorchOps):
             if out is not None:
                 return out
         return super().gated_rms_norm(x, gate, weight, eps)
-
-    def bidirectional_attention(self, query, key, value, scale):
-        if self.c_vision:
-            return cpu_prefill.bidirectional(self.lib, query, key, value, scale)
-        return None
 
     def varlen_attention(self, query, key, value, segments, scale):
         if self.c_windows if segments.windows else self.c_vision:

@@ -159,4 +159,4 @@ class Idefics3Model(MultimodalModel):
         connector = connector_cls(config).to(device=device, dtype=dtype)  # in the LM's dtype
         load_strict(connector, parts.get("connector", {}), "connector")
         model = cls(config, tower, connector, lm)
-        return ready(model, model.vision_model, platform, pack_weights)
+        return ready(model, platform, pack_weights)

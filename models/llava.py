@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoModel
 from transformers.activations import ACT2FN
 
 from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
@@ -117,7 +116,7 @@ class LlavaModel(MultimodalModel):
     extra_weights: tuple[str, ...] = ()  # top-level parameters beside tower, projector and LM
 
     def __init__(
-        self, config, vision_tower: nn.Module, language_model: DecoderLM, projector_bias: bool,
+        self, config, vision_tower: VitTower, language_model: DecoderLM, projector_bias: bool,
         dtype: torch.dtype,
     ) -> None:  # fmt: skip
         """`dtype`: the projector's (and any extra weights'), the language model's."""
@@ -125,12 +124,6 @@ class LlavaModel(MultimodalModel):
         self.config = config
         self.layers = feature_layers(config)
         self.vision_tower = vision_tower
-        if not isinstance(vision_tower, VitTower):  # transformers' tower: what LLaVA never reads goes
-            self.vision_tower.encoder.layers = self.vision_tower.encoder.layers[: max(self.layers)]
-            for module in self.vision_tower.modules():
-                if getattr(module, "use_head", False):
-                    # SigLIP's attention-pooling head makes a pooled vector that LLaVA never reads.
-                    module.use_head = False
         in_dim = config.vision_config.hidden_size * len(self.layers)
         self.multi_modal_projector = Projector(
             in_dim, config.text_config.hidden_size, config.projector_hidden_act, projector_bias, dtype
@@ -155,14 +148,10 @@ class LlavaModel(MultimodalModel):
         vision_state, projector_state, lm_state, extra = split_weights(read_weights(path), cls.extra_weights)
         extra = materialize(extra)
         lm = build_language_model(lm_state, config.text_config, dtype, device, platform.ops, tp=tp)
-        kind = own_tower_kind(config.vision_config)
-        if kind is not None:  # CLIP, SigLIP: the engine's own
-            layers = feature_layers(config)
-            tower = VitTower(config.vision_config, layers, platform.ops).to(device=device, dtype=vision_dtype)
-            load_strict(tower, tower_state(materialize(vision_state), max(layers), kind), "vision tower")
-        else:
-            tower = AutoModel.from_config(config.vision_config).to(device=device, dtype=vision_dtype)
-            load_strict(tower, vision_state, "vision tower")
+        kind = own_tower_kind(config.vision_config)  # CLIP or SigLIP: check_config refused the rest
+        layers = feature_layers(config)
+        tower = VitTower(config.vision_config, layers, platform.ops).to(device=device, dtype=vision_dtype)
+        load_strict(tower, tower_state(materialize(vision_state), max(layers), kind), "vision tower")
         with torch.device(device):
             model = cls(config, tower, lm, "linear_1.bias" in projector_state, dtype)
         load_strict(model.multi_modal_projector, projector_state, "projector")
@@ -171,17 +160,13 @@ class LlavaModel(MultimodalModel):
                 raise ValueError(f"the checkpoint has no {name!r} weight")
             with torch.no_grad():
                 getattr(model, name).copy_(extra[name])
-        return ready(model, model.vision_tower, platform, pack_weights)
+        return ready(model, platform, pack_weights)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, tokens_per_image, text hidden size] in the LM's dtype."""
         pixels = pixel_values.to(self.vision_dtype)
-        if isinstance(self.vision_tower, VitTower):
-            feats = self.vision_tower(pixels)
-        else:
-            states = self.vision_tower(pixels, output_hidden_states=True).hidden_states
-            feats = [states[i] for i in self.layers]
+        feats = self.vision_tower(pixels)
         if self.config.vision_feature_select_strategy == "default":
             feats = [f[:, 1:] for f in feats]
         feats = torch.cat(feats, dim=-1)

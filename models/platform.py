@@ -1,5 +1,5 @@
 """What the platform fills in for a model: the attention backend, the ops its layers call, how its
-linear layers are packed, and a transformers vision tower's attention and activation.
+linear layers are packed.
 
 On CPU with the "cpu" backend that is one ISA variant's C kernels (kernels/cpu_kernels.py: the
 widest variant cpuid allows, each kernel only where it measured faster than its torch twin);
@@ -9,13 +9,11 @@ everywhere else torch. `Platform.info()` says which, for the start-up log line, 
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import GELUTanh
 
 from mm_engine.config import EngineConfig
 from mm_engine.kernels import cpu_build, cpu_kernels, cpu_qgemm_a8
@@ -26,8 +24,6 @@ from mm_engine.models.layers.packed_linear import pack_linears, panel_linears
 from mm_engine.models.layers.quant_linear import INT8_INPUTS, quantize_linears
 
 log = logging.getLogger(__name__)
-# The name a vision tower's attention goes by when the engine's ops run it (`adapt_vision_tower`).
-VISION_ATTENTION = "mm_engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,67 +176,3 @@ def pack_model_linears(model: nn.Module, language_model: nn.Module, platform: Pl
     if platform.kernels is not None and platform.kernels.uses("gemm"):
         panel_linears(language_model, platform.kernels.lib)
     pack_linears(model)
-
-
-def adapt_vision_tower(tower: nn.Module, platform: Platform) -> None:
-    """Route a transformers vision tower's self-attention and tanh-GELU through the platform's
-    ops, where it has faster ones; anything they decline still goes to transformers' own code. A
-    tower of the engine's own calls the ops already."""
-    from transformers import PreTrainedModel
-
-    ops = platform.ops
-    if platform.kernels is None or not isinstance(tower, PreTrainedModel):
-        return
-    if platform.kernels.uses("vision_attention"):
-        attention = _vision_attention(ops)
-        for module in tower.modules():  # each module keeps its own engine's function
-            module.mm_engine_attention = attention
-        tower.set_attn_implementation(_register_dispatch())
-    if platform.kernels.uses("gelu_tanh"):
-        for module in tower.modules():
-            if isinstance(getattr(module, "activation_fn", None), GELUTanh) and hasattr(module, "fc2"):
-                module.activation_fn = OpsGeluTanh(ops)  # a CLIP/SigLIP-style MLP: fc1 -> act -> fc2
-
-
-class OpsGeluTanh(nn.Module):
-    """transformers' tanh-GELU through the platform's ops (in place where they can: an MLP's
-    hidden activations, which nothing else reads)."""
-
-    def __init__(self, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.gelu_tanh(x)
-
-
-@functools.cache
-def _register_dispatch() -> str:
-    """transformers looks attention functions up by name in a process-wide table: one stateless
-    entry goes there, once, and it calls the function the engine put on the module itself (so
-    two engines in one process never share or overwrite each other's)."""
-    from transformers import AttentionInterface
-
-    def dispatch(module, *args, **kwargs):
-        return module.mm_engine_attention(module, *args, **kwargs)
-
-    AttentionInterface.register(VISION_ATTENTION, dispatch)
-    return VISION_ATTENTION
-
-
-def _vision_attention(ops: TorchOps):
-    """transformers' attention-function signature: `[batch, heads, tokens, dim]` in, `([batch,
-    tokens, heads, dim], None)` out. A mask, dropout or causal attention goes to SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if attention_mask is None and not dropout and not kwargs.get("is_causal"):
-            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-            out = ops.bidirectional_attention(query, key, value, scale)
-            if out is not None:
-                return out, None
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-
-    return attention

@@ -183,4 +183,4 @@ class Qwen2VLModel(MultimodalModel):
         )
         tower.fuse()
         model = cls(config, tower, lm)
-        return ready(model, model.visual, platform, pack_weights)
+        return ready(model, platform, pack_weights)

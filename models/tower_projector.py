@@ -65,4 +65,4 @@ class TowerProjectorModel(MultimodalModel):
         projector = cls.projector_class()(config).to(device=device, dtype=dtype)  # in the LM's dtype
         load_strict(projector, parts.get("projector", {}), "projector")
         model = cls(config, tower, projector, lm)
-        return ready(model, model.vision_tower, platform, pack_weights)
+        return ready(model, platform, pack_weights)

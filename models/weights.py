@@ -13,7 +13,7 @@ from mm_engine.kernels.ops import TorchOps
 from mm_engine.models import checkpoint_quant
 from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.models.layers.moe import checkpoint_layout
-from mm_engine.models.platform import Platform, adapt_vision_tower, pack_model_linears, quantize_model_linears
+from mm_engine.models.platform import Platform, pack_model_linears, quantize_model_linears
 from mm_engine.parallel.group import TPGroup, check_divisible
 from mm_engine.parallel.shard import shard_state
 
@@ -130,11 +130,10 @@ def build_language_model(
     return lm
 
 
-def ready(model, tower: nn.Module, platform: Platform, pack_weights: bool):
-    """Inference mode, the tower's attention and GELU on the platform's ops, and (CPU) linears
-    with packed weights: the last step of every family's loading."""
+def ready(model, platform: Platform, pack_weights: bool):
+    """Inference mode, the language model's linears quantized where asked and (CPU) packed: the
+    last step of every family's loading."""
     model = model.eval().requires_grad_(False)
-    adapt_vision_tower(tower, platform)
     quantize_model_linears(model.language_model, platform)
     if pack_weights:
         pack_model_linears(model, model.language_model, platform)

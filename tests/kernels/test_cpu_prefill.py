@@ -1,7 +1,7 @@
 """The C prefill kernel (kernels/cpu_prefill.c), on every ISA variant this CPU runs: every prefill
 chunk of a step in one call, causal over cached context plus the chunk, straight from the pool;
-and the vision tower's bidirectional attention through the same kernel. Each is held to SDPA over
-the sequence's own keys."""
+and a vision tower's attention over packed images through the same kernel. Each is held to SDPA
+over the sequence's (or image's) own keys."""
 
 from __future__ import annotations
 
@@ -102,27 +102,6 @@ def test_prefill_kernel_declines_what_it_cannot_take(cpu_kernels):
     torch.testing.assert_close(TorchBackend(cpu_kernels).attend(q, cache, cache, meta, scale=1.0), want)
 
 
-def test_vision_attention_matches_sdpa_and_hands_masks_to_it(cpu_kernels):
-    """[batch, heads, tokens, dim] views of one [batch, tokens, 3, heads, dim] projection, as a
-    vision tower makes them: every token sees every token of its own image only."""
-    g = torch.Generator().manual_seed(7)
-    b, heads, t, d = 3, 4, 37, 32
-    x = torch.randn(b, t, 3, heads, d, generator=g)
-    q, k, v = (x[:, :, j].transpose(1, 2) for j in range(3))
-    from mm_engine.models.platform import _vision_attention
-
-    attention = _vision_attention(CpuOps(cpu_kernels))
-    out, weights = attention(None, q, k, v, None, scaling=0.2)
-    want = F.scaled_dot_product_attention(q, k, v, scale=0.2).transpose(1, 2)
-    assert weights is None and out.shape == (b, t, heads, d)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    mask = torch.zeros(b, 1, t, t)
-    mask[..., -5:] = float("-inf")  # with a mask, SDPA answers
-    out, _ = attention(torch.nn.Module(), q, k, v, mask, scaling=0.2)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2).transpose(1, 2)
-    torch.testing.assert_close(out, want)
-
-
 def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enabled(siglip_qwen2):
     """By default the measured table decides; with the kernel enabled the engine's own SigLIP
     tower's attention goes through it, and the features are the same."""
@@ -141,26 +120,6 @@ def test_engine_routes_the_vision_tower_through_the_kernel_only_where_it_is_enab
     pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(8))
     want = plain.model.encode_images(pixels)
     torch.testing.assert_close(fast.model.encode_images(pixels), want, rtol=1e-3, atol=5e-5)
-
-
-def test_a_transformers_tower_is_routed_through_the_kernel_where_it_is_enabled(vl_family):
-    """A family whose tower is still transformers' (Gemma 3's SigLIP) gets its attention through
-    the engine's function where the kernel is on: each engine's own, nothing shared in a global."""
-    from mm_engine import LLM
-    from mm_engine.models.platform import VISION_ATTENTION
-
-    path, _ = vl_family("gemma3")
-    kw = {"kv_cache_memory_bytes": 4 * 1024**2}
-    fast = LLM(path, cpu_kernels="all", **kw).engine.core
-    plain = LLM(path, attention_backend="torch", **kw).engine.core
-    assert fast.model.vision_tower.config._attn_implementation == VISION_ATTENTION
-    assert not plain.model.vision_tower.config._attn_implementation.startswith("mm_engine")
-    other = LLM(path, cpu_kernels="all", **kw).engine.core
-
-    def functions(engine) -> set:
-        return {getattr(m, "mm_engine_attention", None) for m in engine.model.vision_tower.modules()} - {None}
-
-    assert len(functions(fast)) == 1 and functions(fast).isdisjoint(functions(other))
 
 
 @pytest.mark.parametrize("windows", [False, True])
