@@ -153,3 +153,22 @@ def test_offline_json_schema_measures_structured_output_side_by_side(tmp_path):
     expected = res["free_output_tokens_per_s"] / res["json_schema_output_tokens_per_s"] - 1
     assert res["overhead_per_token"] == pytest.approx(expected)
     assert json.loads((tmp_path / "so.json").read_text())["overhead_per_token"] == res["overhead_per_token"]
+
+
+def test_towers_bench_runs_every_fixed_size_family_and_pixtral_equal_to_transformers(monkeypatch, tmp_path):
+    """bench.towers at toy sizes: a row per case, each engine tower's output equal to
+    transformers' on the pixels it timed."""
+    from bench import towers
+
+    monkeypatch.setattr(towers, "BASE", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2))  # fmt: skip
+    monkeypatch.setattr(towers, "VIT_CASES", [(112, 1), (112, 3)])
+    monkeypatch.setattr(towers, "PIXTRAL_CASES", [[(32, 32)], [(32, 48), (16, 64)]])
+    families = [*towers.VIT_FAMILIES, "pixtral"]
+    out = towers.main(["--reps", "1", "--families", ",".join(families), "--json", str(tmp_path / "t.json")])
+    assert [r["family"] for r in out["rows"]] == [f for f in towers.VIT_FAMILIES for _ in "ab"] + [
+        "pixtral"
+    ] * 2
+    assert all(r["max_abs_diff"] < 1e-4 and r["engine_vs_transformers"] > 0 for r in out["rows"])
+    assert out["rows"][-1]["grids"] == [[2, 3], [1, 4]]
+    assert json.loads((tmp_path / "t.json").read_text())["rows"] == out["rows"]
