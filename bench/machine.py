@@ -76,12 +76,43 @@ def machine_info() -> dict:
     return {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": _cpu_name(),
+        **_cpu_kind(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
     }
+
+
+# Vector extensions a figure depends on, as /proc/cpuinfo spells them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def _cpu_kind() -> dict:
+    """The CPU's family/model and vector extensions: a VM's "AMD EPYC" alone does not say which
+    generation a figure came from (AMD family 25 is Zen 3 or Zen 4 by model, 26 is Zen 5)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if key.strip() == "flags":
+                    break
+    except OSError:
+        return {}
+    family, model = int(fields.get("cpu family", "0")), int(fields.get("model", "0"))
+    out = {
+        "cpu_family_model": f"{family}/{model}",
+        "isa": [f for f in ISA_FLAGS if f in fields.get("flags", "").split()],
+    }
+    if fields.get("vendor_id") == "AuthenticAMD":
+        zen4 = family == 25 and (0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF)
+        generation = {23: "Zen/Zen 2", 25: "Zen 4" if zen4 else "Zen 3", 26: "Zen 5"}.get(family)
+        if generation:
+            out["cpu_generation"] = generation
+    return out
 
 
 def _cpu_name() -> str:
