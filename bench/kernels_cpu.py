@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.machine import machine_info
 from bench.save import save_json
 
 # torch held to each variant's ISA (read by torch, oneDNN and MKL at start-up).
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     env = environment()
     results = {"cpu": env["cpu"], "cpu_features": env["cpu_features"], "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "variants": {}}  # fmt: skip
+               "threads": torch.get_num_threads(), "machine": machine_info(), "variants": {}}  # fmt: skip
     for name in names:
         child_env = {**os.environ, **TORCH_ISA.get(name, {}), "MM_ENGINE_CPU_VARIANT": name}
         cmd = [sys.executable, "-m", "bench.kernels_cpu", "--child", "--budget", str(args.budget),

@@ -30,17 +30,22 @@ KERNELS = (
 )
 # From bench.kernels_cpu on the 2-core AMD EPYC (Zen 4) development machine, which runs every
 # variant (torch held to the same ISA in each; bench/results/kernels_cpu.json is the last of three
-# runs). A kernel that did not win in every run stays off: the vision tower's attention against
-# torch 2.14's SDPA (avx512 0.98x, 0.94x, 1.11x; avx2 0.93x, 0.80x, 0.91x; portable 0.82x, 0.77x,
-# 0.83x), and on the portable variant the GEMM (geometric means 1.03x and 1.00x, 0.94x at one
-# row) and prefill attention (0.98x and 0.85x on a chunk after cached context).
+# runs). A kernel that did not win in every run stays off: on the portable variant the GEMM
+# (geometric means 1.03x and 1.00x, 0.94x at one row) and prefill attention (0.98x and 0.85x on a
+# chunk after cached context).
+# The towers' attention over whole images (`vision_attention`, packed images through
+# `varlen_attention`) on avx512, from a Zen 5 (2026-12-04, bench/results/kernels_cpu_zen5.json):
+# 1.99x its torch twin on 8 images of 196 patches, and the whole tower 1.10-1.19x faster with it
+# in three alternating runs of SigLIP at 224 px x 16, Idefics3 and InternViT at 448 px x 1 and x 4
+# (0.84-1.06x at one 224 px image). On avx2 it is off until measured on an AVX2-only CPU in this
+# form (an earlier form, over transformers' per-image layout, lost there 0.80-0.93x).
 # The windowed attention of Qwen2.5-VL's tower (16 to 256 windows of 64 patches, 12 heads of 64)
 # against SDPA over the windows batched by length: 1.8-1.9x on avx512, 1.5-1.9x on avx2.
 # The Gated DeltaNet decode step (`delta_rule`, bench/results/kernels_cpu_delta_rule.json) won
 # everywhere it ran: on a Zen 3 (AVX2 only) 8.6x, 49x, 24x on avx2 and 5.3x, 28x, 17x on portable
 # at 1, 8, 32 sequences of 16 heads of 128x128; on a Zen 4 10.2x, 51x, 23.5x on avx512.
 MEASURED_FASTER: dict[str, frozenset[str]] = {
-    "avx512": frozenset(KERNELS) - {"vision_attention"},
+    "avx512": frozenset(KERNELS),
     "avx2": frozenset(KERNELS) - {"vision_attention"},
     # qgemm on portable: 16-23x dequantize-then-matmul at 1 row, 7.5x at 8, but 0.79-0.90x at 256
     # rows (its scratch path runs the portable float GEMM, itself off here): off until that path
