@@ -45,7 +45,6 @@ class ImageMsg(msgspec.Struct, array_like=True):
     embed_mask: list[bool] | None = None
     grid: list[int] | None = None
     pixels: TensorMsg | None = None  # None: the core holds this hash's pixels already
-    pixel_mask: TensorMsg | None = None
 
 
 class Add(msgspec.Struct, tag=True):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from mm_engine.core.messages import Add, ImageMsg, TensorMsg
 from mm_engine.core.types import CoreRequest
 from mm_engine.request import ImageSpan
@@ -60,16 +62,11 @@ def image_messages(spans: list[ImageSpan], send: list[bool]) -> list[ImageMsg]:
     """The images of one request as messages, with their pixels where `send` says."""
     msgs = []
     for span, with_pixels in zip(spans, send, strict=True):
-        pixels = mask = None
-        if with_pixels:
-            pixels = TensorMsg.of(span.pixel_values)
-            mask = None if span.pixel_mask is None else TensorMsg.of(span.pixel_mask)
+        pixels = TensorMsg.of(span.pixel_values) if with_pixels else None
         embed_mask = None if span.embed_mask is None else list(span.embed_mask)
         grid = None if span.grid is None else list(span.grid)
         msgs.append(
-            ImageMsg(
-                span.offset, span.length, span.content_hash, span.num_embeds, embed_mask, grid, pixels, mask
-            )
+            ImageMsg(span.offset, span.length, span.content_hash, span.num_embeds, embed_mask, grid, pixels)
         )
     return msgs
 
@@ -78,7 +75,7 @@ class PixelStore:
     """Core side: the pixels the ledger says the core holds."""
 
     def __init__(self) -> None:
-        self._pixels: dict[str, tuple] = {}  # hash -> (pixel_values, pixel_mask)
+        self._pixels: dict[str, torch.Tensor] = {}  # hash -> pixel_values
 
     def __len__(self) -> int:
         return len(self._pixels)
@@ -87,13 +84,12 @@ class PixelStore:
         out = []
         for m in images:
             if m.pixels is not None:
-                mask = None if m.pixel_mask is None else m.pixel_mask.tensor()
-                self._pixels[m.content_hash] = (m.pixels.tensor(), mask)
-            pixels, mask = self._pixels[m.content_hash]  # KeyError: the frontend broke the protocol
+                self._pixels[m.content_hash] = m.pixels.tensor()
+            pixels = self._pixels[m.content_hash]  # KeyError: the frontend broke the protocol
             embed_mask = None if m.embed_mask is None else tuple(m.embed_mask)
             grid = None if m.grid is None else tuple(m.grid)
             key = m.content_hash
-            out.append(ImageSpan(m.offset, m.length, pixels, key, embed_mask, m.num_embeds, grid, mask))
+            out.append(ImageSpan(m.offset, m.length, pixels, key, embed_mask, m.num_embeds, grid))
         for key in forget:
             self._pixels.pop(key, None)
         return out

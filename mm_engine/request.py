@@ -28,7 +28,6 @@ class ImageSpan:
     embed_mask: tuple[bool, ...] | None = None  # which run positions carry embeddings; None: all
     num_embeds: int = -1  # embeddings the tower produces (-1: one per run position)
     grid: tuple[int, ...] | None = None  # the family's patch grid, where it has one (Qwen: t, h, w)
-    pixel_mask: torch.Tensor | None = None  # which pixels are real, where the processor pads
 
     def __post_init__(self) -> None:
         if self.num_embeds < 0:

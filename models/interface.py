@@ -31,7 +31,6 @@ class ProcessedImage:
     num_embeds: int  # vision embeddings the tower produces for it
     content_hash: str  # pixels and processing settings
     grid: tuple[int, ...] | None = None  # the family's patch grid (Qwen: t, h, w), if it has one
-    pixel_mask: torch.Tensor | None = None  # which pixels are real, where the processor pads
 
 
 class Processing:

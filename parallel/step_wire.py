@@ -57,7 +57,6 @@ class ImageSpec(msgspec.Struct, array_like=True):
     """What a family's `encode` reads of an image (its tensors follow the header, in order)."""
 
     pixel_values: TensorSpec
-    pixel_mask: TensorSpec | None
     grid: list[int] | None
     num_embeds: int
 

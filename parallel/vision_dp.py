@@ -96,16 +96,13 @@ class DataParallelEncoder:
 
     def _send(self, pipe, images: list[ImageSpan], rows: int, rank: int) -> None:
         specs = [
-            ImageSpec(_spec(s.pixel_values), None if s.pixel_mask is None else _spec(s.pixel_mask),
-                      None if s.grid is None else list(s.grid), s.num_embeds)
+            ImageSpec(_spec(s.pixel_values), None if s.grid is None else list(s.grid), s.num_embeds)
             for s in images
-        ]  # fmt: skip
+        ]
         write(pipe, Encode(specs, rows, self.feature, str(self.dtype)))
         group = self.parallel.group
         for s in images:
-            for t in (s.pixel_values, s.pixel_mask):
-                if t is not None:
-                    group.send(t.to(group.device), rank)
+            group.send(s.pixel_values.to(group.device), rank)
 
 
 def encode_share(msg: Encode, model: MultimodalModel, group: TPGroup) -> None:
@@ -113,9 +110,8 @@ def encode_share(msg: Encode, model: MultimodalModel, group: TPGroup) -> None:
     images = []
     for spec in msg.images:
         pixels = _recv(spec.pixel_values, group)
-        mask = None if spec.pixel_mask is None else _recv(spec.pixel_mask, group)
         grid = None if spec.grid is None else tuple(spec.grid)
-        images.append(ImageSpan(0, spec.num_embeds, pixels, "", None, spec.num_embeds, grid, mask))
+        images.append(ImageSpan(0, spec.num_embeds, pixels, "", None, spec.num_embeds, grid))
     padded, error = _encode_padded(model, images, msg.rows, msg.feature, DTYPES[msg.dtype], group.device)
     if error is not None:
         logger.error("encoding %d image(s) failed: %s", len(images), error)

@@ -136,7 +136,6 @@ class InputProcessor:
                     embed_mask=image.embed_mask,
                     num_embeds=image.num_embeds,
                     grid=image.grid,
-                    pixel_mask=image.pixel_mask,
                 )
             )
             out.extend(image.tokens)
