@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
-from mm_engine.models.layers.mlp import MLP
+from mm_engine.models.layers.mlp import MLP, FeedForward
 
 
 class LayerNorm(nn.LayerNorm):
@@ -20,22 +19,6 @@ class LayerNorm(nn.LayerNorm):
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x.add_(delta)
         return x, self(x)
-
-
-class FeedForward(nn.Module):
-    """fc1 -> act -> fc2, as Qwen2-VL (`fc1`, `fc2`) and Qwen3-VL / Qwen3.5 (`linear_fc1`,
-    `linear_fc2`) name them; tanh-GELU through the ops (in place on the hidden activations)."""
-
-    def __init__(self, dim: int, hidden: int, act: str, names: tuple[str, str], ops: TorchOps) -> None:
-        super().__init__()
-        self.names = names
-        setattr(self, names[0], nn.Linear(dim, hidden))
-        setattr(self, names[1], nn.Linear(hidden, dim))
-        self.act = ops.gelu_tanh if act == "gelu_pytorch_tanh" else ACT2FN[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first, second = (getattr(self, n) for n in self.names)
-        return second(self.act(first(x)))
 
 
 class VisionAttention(nn.Module):

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
+from mm_engine.models.layers.mlp import FeedForward
 
 KINDS = {
     "clip_vision_model": "clip",
@@ -147,16 +147,6 @@ class Attention(nn.Module):
         return self.out_proj(out.view(tokens, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str, ops: TorchOps) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = ops.gelu_tanh if act == "gelu_pytorch_tanh" else ACT2FN[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Block(nn.Module):
     def __init__(self, config, spec: VitSpec, ops: TorchOps) -> None:
         super().__init__()
@@ -165,7 +155,7 @@ class Block(nn.Module):
             RMSNorm(dim, spec.eps, ops) if spec.rms else nn.LayerNorm(dim, eps=spec.eps) for _ in range(2)
         )
         self.self_attn = Attention(dim, config.num_attention_heads, spec, ops)
-        self.mlp = MLP(dim, config.intermediate_size, config.hidden_act, ops)
+        self.mlp = FeedForward(dim, config.intermediate_size, config.hidden_act, ("fc1", "fc2"), ops)
 
     def forward(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), segments)
