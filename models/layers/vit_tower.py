@@ -94,6 +94,8 @@ class Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(self.grid * self.grid + self.cls, dim)
         if self.cls:
             self.class_embedding = nn.Parameter(torch.zeros(dim))
+        # NaViT's bucketed ids are the same for every whole tile: computed once, not per step.
+        self.register_buffer("position_ids", self.positions(), persistent=False)
 
     def positions(self) -> torch.Tensor:
         """The position ids of a whole grid. Idefics3's are its NaViT buckets of the patch
@@ -121,7 +123,7 @@ class Embeddings(nn.Module):
         if self.cls:
             x = torch.cat([self.class_embedding.expand(n, 1, -1).to(x.dtype), x], dim=1)
         table = self.position_embedding.weight
-        return x + (table if not self.navit else table[self.positions().to(table.device)])
+        return x + (table if not self.navit else table[self.position_ids])
 
 
 class Attention(nn.Module):
@@ -130,13 +132,14 @@ class Attention(nn.Module):
         self.heads, self.head_dim, self.dim, self.ops = heads, dim // heads, dim, ops
         self.qkv = nn.Linear(dim, 3 * dim, bias=spec.qkv_bias)
         self.out_proj = nn.Linear(dim, dim)
+        self.q_norm = self.k_norm = None
         if spec.qk_norm:  # over the whole projection, not per head; eps as transformers' default
             self.q_norm, self.k_norm = RMSNorm(dim, 1e-6, ops), RMSNorm(dim, 1e-6, ops)
 
     def forward(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
         tokens, h, d = x.shape[0], self.heads, self.head_dim
         qkv = self.qkv(x)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q = self.q_norm(qkv[:, : self.dim]).view(tokens, h, d)
             k = self.k_norm(qkv[:, self.dim : 2 * self.dim]).view(tokens, h, d)
             v = qkv[:, 2 * self.dim :].view(tokens, h, d)

@@ -155,3 +155,28 @@ def test_towers_refuse_what_they_cannot_take():
         tower(torch.zeros(1, 3, 32, 40))
     with pytest.raises(ValueError, match="last block only"):
         VitTower(config, [1], TorchOps(), post_norm=True)
+
+
+def test_idefics3_processing_refuses_a_tile_padded_inside(vl_family, monkeypatch):
+    """The engine's NaViT tower takes whole tiles: an image processor that pads inside one (a
+    pixel mask with holes) is refused by name rather than encoded as if the padding were pixels."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mm_engine.models.idefics3 import Idefics3Processing
+
+    path, _ = vl_family("idefics3")
+    ours = Idefics3Processing(path, AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path))
+    image = Image.new("RGB", (40, 30), (10, 20, 30))
+    ours.process(image)  # whole tiles: taken
+    real = ours.hf
+
+    def padded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["pixel_attention_mask"] = torch.ones_like(out["pixel_attention_mask"])
+        out["pixel_attention_mask"][..., -1, :] = 0
+        return out
+
+    monkeypatch.setattr(ours, "hf", padded)
+    with pytest.raises(ValueError, match="padded inside a tile"):
+        ours.process(image)

@@ -50,7 +50,7 @@ def test_chunked_mlps_equal_one_pass(monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the path off the CPU needs a CUDA device")
 def test_off_the_cpu_one_pass():
     seen = []
     by_row_chunks(lambda x: seen.append(x.shape[0]) or x, torch.zeros(4096, 8, device="cuda"), 6144)
