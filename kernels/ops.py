@@ -230,14 +230,14 @@ class CpuOps(TorchOps):
 class TritonOps(TorchOps):
     """The attention backend "triton"'s ops: the gated delta rule, the grouped experts and a vision
     tower's packed attention as Triton kernels (kernels/triton_gated_delta.py, triton_moe.py,
-    triton_attention.py), torch for the rest."""
+    triton_varlen.py), torch for the rest."""
 
     name = "triton"
 
     def __init__(self) -> None:
-        from mm_engine.kernels import triton_attention, triton_gated_delta, triton_moe
+        from mm_engine.kernels import triton_gated_delta, triton_moe, triton_varlen
 
-        self.delta, self.moe, self.attention = triton_gated_delta, triton_moe, triton_attention
+        self.delta, self.moe, self.attention = triton_gated_delta, triton_moe, triton_varlen
 
     def delta_rule_step_(self, state, slots, qkv, g, beta, key_heads):
         return self.delta.delta_rule_step_(state, slots, qkv, g, beta, key_heads)

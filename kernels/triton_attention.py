@@ -16,9 +16,7 @@ token also sees the positions `[lo, hi)` of its row (an image's tokens see each 
 range of a tile grows to the largest `hi` of its rows), and with a sliding `window` a query at
 position p sees only keys above p - window (the tile starts its key walk there).
 
-A vision tower's packed attention (`varlen`) is the same kernel: each segment (an image's frame or
-window) is a sequence whose every row sees the whole segment, its K/V read in place from the
-projection output as one block that starts at the segment's first row.
+A vision tower's packed attention runs on the same kernel (kernels/triton_varlen.py).
 """
 
 from __future__ import annotations
@@ -346,31 +344,3 @@ def paged_attention(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out
-
-
-def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, scale: float):
-    """Full attention within each segment of packed rows (`kernels.metadata.Segments`), `[tokens,
-    heads, dim]` each (views into one QKV output are fine) -> `[tokens, heads, dim]`. Blocks one
-    row apart and as long as the longest segment: block `starts[i]` is segment i's rows."""
-    tokens, heads, dim = key.shape
-    if key.stride() != value.stride() or key.stride(-1) != 1:
-        key, value = key.contiguous(), value.contiguous()
-    row, head, _ = key.stride()
-    longest = max(segments.lens)
-    k = key.as_strided((1, longest, heads, dim), (row, row, head, 1))
-    v = value.as_strided((1, longest, heads, dim), (row, row, head, 1))
-    device = query.device
-    lens = torch.tensor(segments.lens, dtype=torch.int32)
-    per_row = torch.repeat_interleave(lens.long(), lens)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([*segments.starts, tokens], dtype=torch.int32, device=device),
-        seq_lens=lens.to(device),
-        block_tables=torch.tensor(segments.starts, dtype=torch.int32, device=device)[:, None],
-        slot_mapping=torch.zeros(tokens, dtype=torch.long, device=device),  # nothing is written
-        max_query_len=longest,
-        max_seq_len=longest,
-        query_lens_cpu=list(segments.lens),
-        seq_lens_cpu=list(segments.lens),
-        bidirectional=(torch.zeros(tokens, dtype=torch.long, device=device), per_row.to(device)),
-    )
-    return paged_attention(query, k, v, meta, scale)

@@ -345,7 +345,7 @@ def test_varlen_attention_over_packed_segments(dtype) -> None:
     import torch.nn.functional as F
 
     from mm_engine.kernels.metadata import Segments
-    from mm_engine.kernels.triton_attention import varlen
+    from mm_engine.kernels.triton_varlen import varlen
 
     g = torch.Generator().manual_seed(5)
     heads, d = 3, 32
