@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Everything this project checks and measures on a CUDA GPU, in one run (a lent GPU's time is
-# short): the Triton kernels and the engine against their references, then bench.kernels, then
-# bench.offline on the GPU. Run from the repository root:
+# short): the Triton kernels and the engine against their references, the low-bit GEMMs, serving
+# under load, then bench.offline and the rest on the GPU. Run from the repository root:
 #
 #     OUT=/some/dir bash bench/gpu_checks.sh
 #
-# It needs torch, triton, transformers, tokenizers, torchvision and pillow (no pip install: it
-# links the package layout the editable install would make). Each step has its own time limit and
-# a failing step does not stop the next; logs and JSON land in $OUT. BUDGET (seconds, default 540)
-# caps the whole run: a step gets at most what is left of it.
+# It needs torch, triton, torchvision and pillow there; the other packages pyproject names (and
+# transformers at this project's version) travel as wheels in .whl/ (docs/testing.md says how to
+# download them) and are installed into /tmp/site first. It links the package layout the editable
+# install would make. Each step has its own time limit and a failing step does not stop the next;
+# logs and JSON land in $OUT. The steps run in the order of what is owed most; BUDGET (seconds,
+# default 540) caps the whole run: a step gets at most what is left of it, and those left over
+# are skipped. PACK=FILE keeps an archive of $OUT up to date after every step.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 BUDGET=${BUDGET:-540}
@@ -34,58 +37,56 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     tail -n "${TAIL:-25}" "$OUT/$name.log"
+    # PACK=FILE: everything so far in one archive after each step (a lent machine returns few files)
+    [ -n "${PACK:-}" ] && tar czf "$PACK" -C "$OUT" .
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-      'transformers', transformers.__version__, torch.cuda.get_device_name())"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    echo "== wheels: $(ls .whl | wc -l) installed in $SECONDS s"
+fi
+$PY -c "import torch, triton, transformers, litestar, xgrammar, zmq; print('torch', torch.__version__, 'triton',
+      triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
-# 1. Correctness: the Triton kernel tests, bench.kernels' own test and the engine on the Triton
-#    backend, all compiled on the GPU (MM_ENGINE_TEST_DEVICE), against float64 / CPU references.
+# 1. Correctness: the Triton kernel tests (attention, varlen, hybrid and MoE, low-bit GEMM, FP8
+#    scaled_mm), bench.kernels' own test and the engine on the Triton backend, all compiled on the
+#    GPU (MM_ENGINE_TEST_DEVICE), against float64 / CPU references.
 TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/kernels/test_triton_kernels.py tests/kernels/test_bench_kernels.py tests/kernels/test_triton_engine.py \
-    tests/kernels/test_triton_hybrid_moe.py tests/kernels/test_triton_qgemm.py
+    tests/kernels/test_triton_hybrid_moe.py tests/kernels/test_triton_qgemm.py tests/kernels/test_fp8_mm.py
 
-# 1a. Async scheduling on CUDA (device auto: the engine on the GPU in float16): pinned copies,
-#     queued launches and the event the tokens are read behind, against the plain loop.
-TAIL=6 step async 120 $PY -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py \
-    tests/engine/test_structured_output.py tests/engine/test_parallel_sampling.py tests/engine/test_logit_adjust.py -k "not mrope"
-
-# 1a'. The tensor-parallel code path with one rank through NCCL (this machine has one GPU).
-TAIL=6 step tensor_parallel 60 $PY -m pytest -q -p no:cacheprovider tests/system/test_tensor_parallel.py \
-    -k "size_one"
-
-# 1b. Every model family on the Triton backend compiled on the GPU, against transformers' tokens.
+# 1b. Every model family on the Triton backend compiled on the GPU (the towers through the varlen
+#     kernel), and the quantized checkpoints on it, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
-    tests/families/test_qwen_vl.py tests/families/test_tiled_vl.py tests/families/test_anyres_vl.py tests/families/test_gemma3.py -k "triton"
+    tests/families/test_qwen_vl.py tests/families/test_tiled_vl.py tests/families/test_anyres_vl.py \
+    tests/families/test_gemma3.py tests/engine/test_quantization.py -k "triton"
 
-# 2. The README's first command on the GPU (demo model, float16).
-TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png \
-    --prompt "Describe the image."
+# 2. The low-bit GEMMs against float16 at a 7B model's widths.
+TAIL=40 step qgemm 75 $PY -m bench.qgemm_gpu --json "$OUT/qgemm_gpu.json"
 
-# 2b. Host time of a decode step at batch 1-256 on the GPU (in-process and the core's share).
-TAIL=12 step host_overhead 90 $PY -m bench.host_overhead --device cuda --json "$OUT/host_overhead_gpu.json"
+# 3. Decodes under image load (#32): the idle ITL, then 64 streams of the same kind of trace, on the
+#    GPU (the server picks device auto: CUDA, float16).
+TAIL=14 step serve_idle 80 $PY -m bench.serve --num-prompts 8 --request-rate inf --max-concurrency 1 \
+    --json "$OUT/serve_idle_gpu.json"
+TAIL=30 step serve_64 130 $PY -m bench.serve --num-prompts 160 --request-rate inf --max-concurrency 64 \
+    --json "$OUT/serve_64_gpu.json"
 
-# 2c. Async scheduling on and off on the GPU (engine only, the bench model, alternating).
-TAIL=6 step async_bench 90 $PY -m bench.async_scheduling --device cuda --modes off,inline --num-images 64 \
-    --json "$OUT/async_scheduling_gpu.json"
-
-# 2d. Structured output's cost per token on the GPU (xgrammar's bitmask applied on the device).
-TAIL=6 step structured 60 $PY -m bench.structured_output --device cuda --requests 64 \
-    --json "$OUT/structured_output_gpu.json"
-
-# 3. Paged attention against SDPA.
-TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
-
-# 4. Offline throughput against transformers, both on the GPU in float16. transformers' batch sizes
-#    are fixed: its sweep (bench.offline.HF_SWEEP_GPU) took longer than a 15-minute loan allows, and
-#    on an H200 its throughput kept rising with the batch up to these sizes (README). Chat runs 16
-#    images, since at 64 transformers alone takes about 4 minutes there.
+# 4. Offline throughput against transformers, both on the GPU in float16 (the towers are the
+#    engine's now). transformers' batch size is fixed: its sweep took longer than a loan allows.
 GPU_ARGS=(--device cuda --max-num-batched-tokens 8192 --max-num-seqs 256)
 TAIL=16 step caption 150 $PY -m bench.offline --workload caption --num-images 256 --hf-batch-size 128 \
     "${GPU_ARGS[@]}" --json "$OUT/offline_caption_gpu.json"
-# 4b. The same without async scheduling: before/after of the overlap (the default on CUDA).
-TAIL=16 step caption_sync 150 $PY -m bench.offline --workload caption --num-images 256 --hf-batch-size 128 \
-    "${GPU_ARGS[@]}" --async-scheduling off --json "$OUT/offline_caption_gpu_sync.json"
+
+# 5. What earlier loans measured, when time is left: the README's first command, host overhead,
+#    async scheduling and structured output on CUDA, paged attention against SDPA, chat offline.
+TAIL=4 step generate 60 $PY -m mm_engine.cli generate --image examples/scene.png --prompt "Describe the image."
+TAIL=6 step async 120 $PY -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py \
+    tests/engine/test_structured_output.py tests/engine/test_parallel_sampling.py tests/engine/test_logit_adjust.py -k "not mrope"
+TAIL=12 step host_overhead 90 $PY -m bench.host_overhead --device cuda --json "$OUT/host_overhead_gpu.json"
+TAIL=6 step structured 60 $PY -m bench.structured_output --device cuda --requests 64 \
+    --json "$OUT/structured_output_gpu.json"
+TAIL=30 step kernels 150 $PY -m bench.kernels --out "$OUT/kernels.json"
 TAIL=16 step chat 180 $PY -m bench.offline --workload chat --num-images 16 --hf-batch-size 64 \
     "${GPU_ARGS[@]}" --json "$OUT/offline_chat_gpu.json"

@@ -11,7 +11,8 @@ boundaries quantizes exactly as the whole.
 
 On CPU with the `qgemm` kernel, `QuantLinear` packs the weight once into the kernel's panels
 (kernels/cpu_qgemm.py) and keeps nothing else; on the triton backend it runs the Triton kernel on
-`q` as kept (kernels/triton_qgemm.py); elsewhere it multiplies by the dequantized weight (the
+`q` as kept (kernels/triton_qgemm.py), or `torch._scaled_mm` where input and weight are both FP8
+with a scale per weight row (kernels/fp8_mm.py); elsewhere it multiplies by the dequantized weight (the
 reference: every call rebuilds the float matrix).
 
 Checkpoints stored quantized (models/checkpoint_quant.py) may add two things to a weight: an input
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_engine.config import QUANTIZATIONS
-from mm_engine.kernels import cpu_gemm, cpu_qgemm, cpu_qgemm_a8
+from mm_engine.kernels import cpu_gemm, cpu_qgemm, cpu_qgemm_a8, fp8_mm
 from mm_engine.models.layers import act_quant
 from mm_engine.parallel.shard import ROW
 
@@ -159,6 +160,12 @@ class QuantLinear(nn.Module):
         self.a8: cpu_qgemm_a8.A8Panels | None = None
         self.bias = None if bias is None else bias.detach()
         self.perm, self.act, self.act_scale = weight.perm, weight.act, weight.act_scale
+        # FP8 on both sides (compressed-tensors' FP8 schemes): the matrix units' own FP8 product.
+        self.fp8 = (
+            triton
+            and fp8_mm.applies(weight.kind, weight.act, weight.group, *weight.q.shape)
+            and fp8_mm.device_supports(weight.q.device)
+        )
         if lib is None:
             self.weight_q = weight
             if triton and weight.kind == "int4":  # two to a byte, as the Triton kernel reads them
@@ -183,6 +190,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.a8 is not None:  # rounds its input itself, as fake_quantize would
             out = cpu_qgemm_a8.qgemm_a8(self.lib, self._rows(x), self.a8, self.act_scale, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.fp8:  # rounds its input itself, as fake_quantize would
+            w = self.weight_q
+            out = fp8_mm.fp8_linear(self._rows(x), w.q, w.scales, self.act_scale, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.act is not None:
             x = act_quant.fake_quantize(x, self.act, self.act_scale)
@@ -212,7 +223,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         path = "cpu kernel" if self.panels is not None else "triton" if self.triton else "dequantize"
-        path = "cpu int8-input kernel" if self.a8 is not None else path
+        path = "cpu int8-input kernel" if self.a8 is not None else "fp8 scaled_mm" if self.fp8 else path
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, {path}"
 
 

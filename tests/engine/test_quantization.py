@@ -398,6 +398,8 @@ def test_input_quantization_equals_the_compressed_tensors_librarys():
         ("float-quantized", {**FP8, "strategy": "block", "block_structure": [128, 128]},
          {**FP8, "dynamic": True, "strategy": "token"}, "cpu"),  # FP8_BLOCK weights, FP8_DYNAMIC inputs
         ("float-quantized", {**FP8, "strategy": "tensor"}, {**FP8, "strategy": "tensor"}, "torch"),  # FP8
+        ("float-quantized", {**FP8, "strategy": "channel"},
+         {**FP8, "dynamic": True, "strategy": "token"}, "triton"),  # FP8_DYNAMIC: torch._scaled_mm
         ("int-quantized", {**INT8, "strategy": "channel"},
          {**INT8, "dynamic": True, "strategy": "token"}, "cpu"),  # W8A8
     ],
@@ -424,6 +426,7 @@ def test_a_w8a8_checkpoint_written_by_compressed_tensors_runs_as_the_library_run
     kind = "fp8" if weights["type"] == "float" else "int8"
     assert layers
     assert {(m.kind, m.act, m.act_scale is None) for m in layers} == {(kind, kind, inputs["dynamic"])}
+    assert all(m.fp8 for m in layers) == (backend == "triton")  # per-row FP8 scales on both sides
 
 
 def assert_equal_but_near_ties(ref, text: str, imgs: list, n: int, tokens: list[int], tie: float = 0.05):
