@@ -30,6 +30,13 @@ def applies(kind: str, act: str | None, group: int, n: int, k: int) -> bool:
     return kind == "fp8" and act == "fp8" and group == k and n % 16 == 0 and k % 16 == 0
 
 
+def takes(x: torch.Tensor) -> bool:
+    """Whether to take `x` this way: on CUDA only a 16-bit input, since row-wise scaling writes
+    bfloat16 there (a float32 run, the engine's GPU tests, keeps its precision on the Triton
+    kernel)."""
+    return x.device.type != "cuda" or x.dtype != torch.float32
+
+
 def input_scales(x: torch.Tensor, static: torch.Tensor | None) -> torch.Tensor:
     """The input's scale per row `[M, 1]` in x's dtype, computed as act_quant.fake_quantize does:
     the row's largest magnitude over 448 (a zero row: the dtype's eps), or the stored

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-EPS = 1e-6  # gated_delta.l2_normalize's
+EPS = tl.constexpr(1e-6)  # gated_delta.l2_normalize's (a constexpr: compiled kernels read no other globals)
 
 
 @triton.jit

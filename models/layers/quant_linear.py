@@ -191,7 +191,7 @@ class QuantLinear(nn.Module):
         if self.a8 is not None:  # rounds its input itself, as fake_quantize would
             out = cpu_qgemm_a8.qgemm_a8(self.lib, self._rows(x), self.a8, self.act_scale, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
-        if self.fp8:  # rounds its input itself, as fake_quantize would
+        if self.fp8 and fp8_mm.takes(x):  # rounds its input itself, as fake_quantize would
             w = self.weight_q
             out = fp8_mm.fp8_linear(self._rows(x), w.q, w.scales, self.act_scale, self.bias)
             return out.view(*x.shape[:-1], self.out_features)

@@ -38,14 +38,15 @@ def gemma(vl_family):
 
 
 def _watch_chunks(llm) -> list:
-    """Record every step's (request, start, tokens) as the runner receives it."""
-    steps, execute = [], llm.engine.core.runner.execute
+    """Record every step's (request, start, tokens) as the runner prepares it (both the plain
+    step and async scheduling, CUDA's default, prepare every batch)."""
+    steps, prepare = [], llm.engine.core.runner.prepare
 
-    def watched(batch):
+    def watched(batch, *args):
         steps.append([(req, req.num_computed_tokens, n) for req, n in batch.items])
-        return execute(batch)
+        return prepare(batch, *args)
 
-    llm.engine.core.runner.execute = watched
+    llm.engine.core.runner.prepare = watched
     return steps
 
 

@@ -43,6 +43,8 @@ def engine(path: str, backend: str = "auto", **kwargs) -> LLM:
     args = dict(kv_cache_memory_bytes=8 * 1024**2, block_size=8, max_num_batched_tokens=16)
     if backend == "triton":  # interpreted on CPU tensors, or compiled on a GPU, in float32
         args.update(device=TEST_DEVICE.type, dtype="float32", vision_dtype="float32")
+    elif backend in ("torch", "cpu"):  # the CPU paths, also on a machine with a GPU
+        args.update(device="cpu")
     return LLM(path, attention_backend=backend, **{**args, **kwargs})
 
 

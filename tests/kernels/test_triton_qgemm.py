@@ -36,8 +36,9 @@ def test_int4_zero_points_and_the_module_path():
     n, k, group = 50, 128, 32
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scales, zeros = torch.rand(n, k // group, generator=g), torch.randint(0, 16, (n, k // group), generator=g)
-    w = QuantizedWeight("int4", q, scales, zeros.float(), group)
+    w = QuantizedWeight("int4", q, scales, zeros.float(), group).to(TEST_DEVICE)
     x = torch.randn(2, 5, k, generator=g)  # batched rows, as a layer sees them
     layer = QuantLinear(w, None, triton=True)
-    torch.testing.assert_close(layer(x), F.linear(x, w.dequantize()), rtol=1e-4, atol=1e-4)
+    got = layer(x.to(TEST_DEVICE)).cpu()
+    torch.testing.assert_close(got, F.linear(x, w.dequantize().cpu()), rtol=1e-4, atol=1e-4)
     assert "triton" in repr(layer)
