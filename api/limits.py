@@ -58,6 +58,13 @@ def check_image_count(n: int, settings: ServerSettings, param: str) -> None:
         )
 
 
+def check_video_count(n: int, settings: ServerSettings, param: str) -> None:
+    if n > settings.max_videos_per_request:
+        raise APIError(
+            400, f"{n} videos were sent; at most {settings.max_videos_per_request} are allowed", param=param
+        )
+
+
 def sampling_params(**kwargs) -> SamplingParams:
     """`SamplingParams` from request fields (None: the default); a bad value is a 400 naming it."""
     if kwargs.get("temperature") is not None and kwargs["temperature"] < GREEDY_BELOW:

@@ -23,7 +23,15 @@ class ImagePart(Struct, tag_field="type", tag="image_url", forbid_unknown_fields
     image_url: ImageURL
 
 
-ContentPart = TextPart | ImagePart
+class VideoURL(Struct, forbid_unknown_fields=True):
+    url: str  # data:video/...;base64,...; http(s) only for hosts in --allowed-media-domains
+
+
+class VideoPart(Struct, tag_field="type", tag="video_url", forbid_unknown_fields=True):
+    video_url: VideoURL
+
+
+ContentPart = TextPart | ImagePart | VideoPart
 
 
 class CalledFunction(Struct, forbid_unknown_fields=True):

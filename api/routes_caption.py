@@ -1,4 +1,4 @@
-"""`POST /v1/caption`: multipart image upload in, caption out (JSON, or server-sent events).
+"""`POST /v1/caption`: multipart image (or video) upload in, caption out (JSON, or server-sent events).
 
 The prompt: one containing the model's image placeholder (`<image>`) is used as is, one placeholder
 per uploaded image; any other prompt is a question put after the images in one user message
@@ -22,6 +22,7 @@ from mm_engine.api.limits import (
     check_image_count,
     check_priority,
     check_stop,
+    check_video_count,
     fit_max_tokens,
     sampling_params,
 )
@@ -34,16 +35,26 @@ from mm_engine.frontend.inputs import InputProcessor
 from mm_engine.outputs import RequestOutput
 from mm_engine.sampling_params import RequestOutputKind
 from mm_engine.vision.image_io import ImageError
+from mm_engine.vision.video_io import VideoError
 
 
-def process_caption(inputs: InputProcessor, prompt: str, images: list[bytes]) -> ProcessedInputs:
-    """Runs in the worker pool: builds the prompt around the images, tokenizes, decodes images."""
-    if inputs.image_token in prompt or inputs.chat_template is None:
-        if inputs.image_token not in prompt:  # no template to place them: images go first
-            prompt = " ".join([inputs.image_token] * len(images)) + " " + prompt
-        return ProcessedInputs(*inputs.process({"prompt": prompt, "multi_modal_data": {"image": images}}))
-    parts = [{"type": "image"} for _ in images]
-    chat = TemplateChat([{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}], images)
+def process_caption(
+    inputs: InputProcessor, prompt: str, images: list[bytes], videos: list[bytes] = ()
+) -> ProcessedInputs:
+    """Runs in the worker pool: builds the prompt around the images and clips, tokenizes, decodes."""
+    videos = list(videos)
+    placeholders = [inputs.image_token, inputs.processing.video_token]
+    if any(p and p in prompt for p in placeholders) or inputs.chat_template is None:
+        if not any(p and p in prompt for p in placeholders):  # no template to place them: media first
+            if videos and inputs.processing.video_token is None:
+                inputs.processing.video_sampling()  # the family says why it reads no video
+            marks = [inputs.image_token] * len(images) + [inputs.processing.video_token] * len(videos)
+            prompt = " ".join(marks) + " " + prompt
+        data = {"image": images, "video": videos}
+        return ProcessedInputs(*inputs.process({"prompt": prompt, "multi_modal_data": data}))
+    parts = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+    content = [*parts, {"type": "text", "text": prompt}]
+    chat = TemplateChat([{"role": "user", "content": content}], images, videos)
     return ProcessedInputs(*inputs.chat(chat))
 
 
@@ -53,7 +64,7 @@ def process_caption(inputs: InputProcessor, prompt: str, images: list[bytes]) ->
     before_request=require_content_type("multipart/form-data"),
     responses=error_responses(),
     summary="Caption uploaded images",
-    description="Multipart form: one or more `image` file parts and optional sampling fields. "
+    description="Multipart form: one or more `image` (or `video`) file parts and optional sampling fields. "
     "With `stream=true` the answer is server-sent events of `caption.chunk` objects, then `[DONE]`.",
     operation_id="createCaption",
     tags=["caption"],
@@ -64,14 +75,22 @@ async def create_caption(
     ctx = get_ctx(request)
     arrival = time.time()
     settings = ctx.settings
-    images = []
+    images, videos = [], []
     for upload in data.image:  # only the bytes are used, never the file name
         images.append(await upload.read())
         await upload.close()
+    for upload in data.video:
+        videos.append(await upload.read())
+        await upload.close()
     model = ctx.model_name(data.model)
-    if not images:
-        raise APIError(400, "at least one 'image' file part is required", param="image")
+    if not images and not videos:
+        raise APIError(400, "at least one 'image' or 'video' file part is required", param="image")
     check_image_count(len(images), settings, "image")
+    check_video_count(len(videos), settings, "video")
+    too_big = next((len(v) for v in videos if len(v) > settings.max_video_bytes), None)
+    if too_big is not None:
+        message = f"a video part is {too_big} bytes, over the limit of {settings.max_video_bytes}"
+        raise APIError(400, message, param="video")
     priority = check_priority(data.priority, settings)
     fields = dict(
         temperature=data.temperature,
@@ -85,9 +104,11 @@ async def create_caption(
     # An empty or blank prompt is no prompt: the default one, not a caption of nothing.
     prompt = settings.default_caption_prompt if not (data.prompt or "").strip() else data.prompt
     try:
-        inputs = await ctx.llm.run_in_worker(process_caption, ctx.llm.inputs, prompt, images)
+        inputs = await ctx.llm.run_in_worker(process_caption, ctx.llm.inputs, prompt, images, videos)
     except ImageError as exc:
         raise APIError(400, str(exc), param="image", code="invalid_image") from None
+    except VideoError as exc:
+        raise APIError(400, str(exc), param="video", code="invalid_video") from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
     max_tokens = fit_max_tokens(data.max_tokens, len(inputs.token_ids), ctx.llm.model_info.max_model_len,

@@ -1,4 +1,5 @@
-"""`POST /v1/chat/completions`, OpenAI-compatible, images as `image_url` content parts."""
+"""`POST /v1/chat/completions`, OpenAI-compatible, images as `image_url` content parts and
+clips as `video_url` parts (vLLM's extension)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mm_engine.api.errors import APIError, client_errors
 from mm_engine.api.limits import (
     check_image_count,
     check_priority,
+    check_video_count,
     fit_max_tokens,
     request_fields,
     sampling_params,
@@ -33,6 +35,7 @@ from mm_engine.api.openai_schemas import (
     ImagePart,
     TokenLogprob,
     TopLogprob,
+    VideoPart,
 )
 from mm_engine.api.routes_common import error_responses, json_body
 from mm_engine.api.schemas import Usage, sum_usage, usage_of
@@ -62,8 +65,16 @@ async def to_engine_messages(
         for j, part in enumerate(m.content)
         if isinstance(part, ImagePart)
     ]
+    clips = [
+        part
+        for m in messages
+        if isinstance(m.content, list)
+        for part in m.content
+        if isinstance(part, VideoPart)
+    ]
     check_image_count(len(where), ctx.settings, "messages")
-    out, images = [], []
+    check_video_count(len(clips), ctx.settings, "messages")
+    out, images, videos = [], [], []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         extra = {}
@@ -78,6 +89,14 @@ async def to_engine_messages(
             continue
         parts = []
         for part in m.content:
+            if isinstance(part, VideoPart):
+                url = part.video_url.url
+                if url[:5].lower() != "data:":
+                    with client_errors("messages"):
+                        url = await ctx.fetcher.fetch(url, "video", ctx.settings.max_video_bytes)
+                videos.append(url)
+                parts.append({"type": "video"})
+                continue
             if not isinstance(part, ImagePart):
                 parts.append({"type": "text", "text": part.text})
                 continue
@@ -89,7 +108,7 @@ async def to_engine_messages(
                     images.append(await ctx.fetcher.fetch(url))
             parts.append({"type": "image"})
         out.append({"role": role, "content": parts, **extra})
-    return TemplateChat(out, images), where
+    return TemplateChat(out, images, videos), where
 
 
 @post(

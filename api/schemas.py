@@ -93,9 +93,11 @@ class HealthResponse(Struct):
 
 
 class CaptionForm(Struct, forbid_unknown_fields=True):
-    """`multipart/form-data` fields of `POST /v1/caption`; `image` may be repeated."""
+    """`multipart/form-data` fields of `POST /v1/caption`; `image` and `video` may be repeated
+    (at least one of them)."""
 
-    image: list[UploadFile]
+    image: list[UploadFile] = []
+    video: list[UploadFile] = []
     prompt: str | None = None
     model: str | None = None
     max_tokens: MaxTokens | None = None

@@ -47,6 +47,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-image-bytes", type=int, default=_D.max_image_bytes)
     g.add_argument("--allowed-image-formats", default=",".join(_D.allowed_image_formats).lower(),
                    help="comma-separated Pillow formats, identified by content")  # fmt: skip
+    g.add_argument("--max-videos-per-request", type=int, default=_D.max_videos_per_request)
+    g.add_argument("--max-video-bytes", type=int, default=_D.max_video_bytes)
+    g.add_argument("--max-video-seconds", type=float, default=_D.max_video_seconds,
+                   help="a clip's duration, read from its container before decoding")  # fmt: skip
+    g.add_argument(
+        "--max-video-frames", type=int, default=_D.max_video_frames, help="frames sampled from one clip"
+    )
     g.add_argument("--max-stop-strings", type=int, default=_D.max_stop_strings)
     g.add_argument("--max-stop-length", type=int, default=_D.max_stop_length)
     g.add_argument("--default-max-tokens", type=int, default=_D.default_max_tokens)
@@ -143,6 +150,10 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         min_image_side=args.min_image_side,
         max_image_bytes=args.max_image_bytes,
         allowed_image_formats=tuple(f.strip() for f in args.allowed_image_formats.split(",") if f.strip()),
+        max_videos_per_request=args.max_videos_per_request,
+        max_video_bytes=args.max_video_bytes,
+        max_video_seconds=args.max_video_seconds,
+        max_video_frames=args.max_video_frames,
         max_stop_strings=args.max_stop_strings,
         max_stop_length=args.max_stop_length,
         default_max_tokens=args.default_max_tokens,
@@ -227,7 +238,7 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
     settings.api_server_index = index
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-    limits = settings.image_limits()
+    limits, video_limits = settings.image_limits(), settings.video_limits()
     common = dict(
         input_workers=settings.input_workers,
         light_input_bytes=settings.light_input_bytes,
@@ -240,13 +251,13 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
             restart=args.engine_core_restart, max_restarts=args.max_core_restarts, on_dead=exit_.dead
         )
         llm = AsyncMPLLM(
-            config, image_limits=limits, **common, **restart, data_parallel_size=args.data_parallel_size,
-            attach=attach, frontend_index=index,
+            config, image_limits=limits, video_limits=video_limits, **common, **restart,
+            data_parallel_size=args.data_parallel_size, attach=attach, frontend_index=index,
         )  # fmt: skip
     elif args.data_parallel_size != 1:
         raise ValueError("--data-parallel-size needs --engine-core process")
     else:
-        llm = AsyncLLM(LLMEngine(config, image_limits=limits), **common)
+        llm = AsyncLLM(LLMEngine(config, image_limits=limits, video_limits=video_limits), **common)
     return llm, settings, exit_
 
 

@@ -8,6 +8,7 @@ from PIL import Image
 
 from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.vision.image_io import ImageLimits
+from mm_engine.vision.video_io import VideoLimits
 
 MiB = 1024 * 1024
 
@@ -21,6 +22,10 @@ class ServerSettings:
     min_image_side: int = 2
     max_image_bytes: int = 10 * MiB  # one encoded image (upload part, data: URL payload or fetch)
     allowed_image_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")  # identified by content
+    max_videos_per_request: int = 1
+    max_video_bytes: int = 16 * MiB  # one encoded clip (upload part, data: URL payload or fetch)
+    max_video_seconds: float = 600.0  # a clip's duration, from its container, before decoding
+    max_video_frames: int = 768  # frames sampled from one clip
     max_stop_strings: int = 4
     max_stop_length: int = 64  # characters per stop string
     default_max_tokens: int = 256  # when a request gives none (capped by what the context has left)
@@ -55,6 +60,9 @@ class ServerSettings:
             "max_image_pixels",
             "min_image_side",
             "max_image_bytes",
+            "max_videos_per_request",
+            "max_video_bytes",
+            "max_video_frames",
             "max_stop_length",
             "default_max_tokens",
             "input_workers",
@@ -74,6 +82,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
         for name in (
             "media_fetch_timeout",
+            "max_video_seconds",
             "header_timeout",
             "body_timeout",
             "send_timeout",
@@ -106,4 +115,13 @@ class ServerSettings:
             min_side=self.min_image_side,
             max_bytes=self.max_image_bytes,
             allowed_formats=frozenset(self.allowed_image_formats),
+        )
+
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(
+            max_bytes=self.max_video_bytes,
+            max_seconds=self.max_video_seconds,
+            max_frame_pixels=self.max_image_pixels,
+            min_side=self.min_image_side,
+            max_frames=self.max_video_frames,
         )

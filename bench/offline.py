@@ -1,12 +1,15 @@
 """Offline throughput, side by side: mm-engine against transformers on the same model and inputs.
 
-    python -m bench.offline --workload caption|chat [--num-images N] [--json PATH] [--profile]
+    python -m bench.offline --workload caption|chat|video [--num-images N] [--json PATH] [--profile]
                             [--device cuda [--dtype float16]] [--json-schema SCHEMA.json]
 
 Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, long-tailed):
   caption  one captioning prompt per image (64 by default); outputs mean ~30 tokens, at most 64.
   chat     four questions per image (16 images, 64 requests by default); outputs mean ~100
            tokens, at most 384.
+  video    one captioning prompt per clip (16 by default; a family that reads video, by default
+           the Qwen2.5-VL benchmark model): each clip 8 frames at 2 fps, given to both sides as
+           sampled frames; outputs as caption's.
 
 transformers runs `LlavaForConditionalGeneration.generate`, greedy, batched with left padding, at
 the batch size that gave it the best throughput in a small sweep run first (one batch per
@@ -59,7 +62,7 @@ def workload_requests(
     """(image index, prompt, output tokens) in submission order; `prompts`: the model's (caption
     prompt, question -> chat prompt), from `vlm.prompts_for`."""
     caption, chat = prompts
-    if workload == "caption":
+    if workload in ("caption", "video"):
         lengths = vlm.output_lengths(num_images, "caption", seed)
         return [(i, caption, n) for i, n in enumerate(lengths)]
     lengths = vlm.output_lengths(4 * num_images, "chat", seed)
@@ -130,7 +133,7 @@ def compare(engine_tokens, hf_tokens, sample: int) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["caption", "chat"], default="caption")
+    ap.add_argument("--workload", choices=["caption", "chat", "video"], default="caption")
     ap.add_argument(
         "--num-images", type=int, default=None, help="default: 64 for caption, 16 for chat (64 requests)"
     )
@@ -184,8 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     schema = None if args.json_schema is None else json.loads(args.json_schema.read_text())
-    model = vlm.resolve_model(args.model or ("bench-bytelevel" if schema is not None else None))
-    requests = workload_requests(args.workload, args.num_images, args.seed, vlm.prompts_for(model))
+    video = args.workload == "video"
+    default = "bench-bytelevel" if schema is not None else "bench-qwen2.5-vl" if video else None
+    model = vlm.resolve_model(args.model or default)
+    prompts = vlm.prompts_for(model)
+    if video:
+        prompts = (vlm.video_prompt_for(model), prompts[1])
+    requests = workload_requests(args.workload, args.num_images, args.seed, prompts)
     engine_args = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine_args["multiprocess"] = True
     job = Job(
         model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile,
-        rate_sizes=rate_sizes, device=args.device, dtype=dtype,
+        rate_sizes=rate_sizes, device=args.device, dtype=dtype, video=video,
     )  # fmt: skip
     if schema is not None:
         result = structured_cost(job, schema)
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     ours = run_in_child(engine_run, job)
     print(f"  mm-engine: {ours['seconds']:.1f} s", flush=True)
     if args.hf_batch_size is None:
-        best, sweep = sweep_hf(job, args.workload)
+        best, sweep = sweep_hf(job, "caption" if video else args.workload)
     else:
         best, sweep = args.hf_batch_size, {}
     hf = run_in_child(hf_run, Job(**{**job.__dict__, "hf_batch_size": best, "profile": False}))
@@ -242,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     floor = None
     if config.model_type == "llava":
         floor = floor_flops(LlavaFlops.from_config(config), requests, ours["prompt_ids"])
-    elif config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+    elif config.model_type in ("qwen2_vl", "qwen2_5_vl") and not video:
         vision = [qwen_tower_flops(config.vision_config, grid) for grid in image_grids(model, job)]
         lm = LlavaFlops.language_model(config.text_config)
         floor = floor_flops(lm, requests, ours["prompt_ids"], vision)

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from bench import vlm
@@ -39,6 +40,7 @@ class Job:
     device: str = "cpu"
     dtype: str = "float32"  # both contestants' weights and activations (vision tower too)
     json_schema: dict | None = None  # the engine's outputs constrained to it (structured output)
+    video: bool = False  # each request is a clip (bench.vlm.clips), not an image
 
 
 def run_in_child(fn, job: Job) -> dict:
@@ -75,15 +77,15 @@ def engine_run(job: Job) -> dict:
     from mm_engine.sampling_params import StructuredOutputs
 
     torch.set_num_threads(job.threads)
-    images = vlm.images(job.num_images, job.seed)
+    media = _media(job)
     engine_args = {"cpu_tune_malloc": True, **job.engine_args}  # as `mm-engine` runs it
     engine_args = {"vision_dtype": job.dtype, **engine_args}  # --vision-dtype may set the tower's own
     llm = LLM(job.model, device=job.device, dtype=job.dtype, **engine_args)
-    warm = {"prompt": job.requests[0][1], "multi_modal_data": {"image": vlm.noise_image(0)}}
+    warm = {"prompt": job.requests[0][1], "multi_modal_data": _engine_media(job, _warm_media(job))}
     so = None if job.json_schema is None else StructuredOutputs(json=job.json_schema)
     # (with a schema, the warm-up also compiles its grammar: compiles are cached per schema)
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, structured_outputs=so))
-    prompts = [{"prompt": p, "multi_modal_data": {"image": images[i]}} for i, p, _ in job.requests]
+    prompts = [{"prompt": p, "multi_modal_data": _engine_media(job, media[i])} for i, p, _ in job.requests]
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=so)
         for _, _, n in job.requests
@@ -112,7 +114,7 @@ def hf_run(job: Job) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch.set_num_threads(job.threads)
-    images = vlm.images(job.num_images, job.seed)
+    media = _media(job)
     processor = AutoProcessor.from_pretrained(job.model)
     processor.tokenizer.padding_side = "left"  # generation appends on the right
     dtype = getattr(torch, job.dtype)
@@ -120,13 +122,25 @@ def hf_run(job: Job) -> dict:
     model.generation_config.eos_token_id = None  # ignore_eos: every row runs to its max_new_tokens
     pad = processor.tokenizer.pad_token_id
 
-    def encode(texts: list[str], imgs: list) -> dict:
-        inputs = processor(text=texts, images=imgs, padding=True, return_tensors="pt").to(job.device)
-        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    def encode(texts: list[str], items: list) -> dict:
+        if job.video:  # the frames as sampled, at their rate (Qwen2.5-VL's time positions)
+            from transformers.video_utils import VideoMetadata
+
+            meta = [VideoMetadata(len(f), fps=fps, frames_indices=list(range(len(f)))) for f, fps in items]
+            opts = dict(video_metadata=meta, do_sample_frames=False, cap_pixels_per_frame=True)
+            videos = [f for f, _ in items]
+            inputs = processor(
+                text=texts, videos=videos, videos_kwargs=opts, padding=True, return_tensors="pt"
+            )
+        else:
+            inputs = processor(text=texts, images=items, padding=True, return_tensors="pt")
+        inputs = inputs.to(job.device)
+        key = "pixel_values_videos" if job.video else "pixel_values"
+        inputs[key] = inputs[key].to(dtype)
         return inputs
 
     def generate(batch: list[tuple[int, str, int]]) -> list[list[int]]:
-        inputs = encode([p for _, p, _ in batch], [images[i] for i, _, _ in batch])
+        inputs = encode([p for _, p, _ in batch], [media[i] for i, _, _ in batch])
         longest = max(n for _, _, n in batch)  # a static batch runs until its longest row is done
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=longest, do_sample=False, pad_token_id=pad)
@@ -134,7 +148,7 @@ def hf_run(job: Job) -> dict:
         return [row[:n] for row, (_, _, n) in zip(new, batch, strict=True)]
 
     with torch.inference_mode():
-        warm_inputs = encode([job.requests[0][1]], [vlm.noise_image(0)])
+        warm_inputs = encode([job.requests[0][1]], [_warm_media(job)])
         model.generate(**warm_inputs, max_new_tokens=2, do_sample=False, pad_token_id=pad)
     bs = job.hf_batch_size
     batches = range(0, len(job.requests), bs)
@@ -147,6 +161,25 @@ def hf_run(job: Job) -> dict:
         **_peak_memory(job),
         "matmul_flops_per_s": rates,
     }
+
+
+def _media(job: Job) -> list:
+    return vlm.clips(job.num_images, job.seed) if job.video else vlm.images(job.num_images, job.seed)
+
+
+def _warm_media(job: Job):
+    """A short input unlike the job's (first-call costs): a noise image, or two frames of noise."""
+    if job.video:
+        frames = torch.from_numpy(np.stack([np.asarray(vlm.noise_image(k)) for k in range(2)]))
+        return frames, vlm.CLIP_FPS
+    return vlm.noise_image(0)
+
+
+def _engine_media(job: Job, item) -> dict:
+    if job.video:
+        frames, fps = item
+        return {"video": (frames, {"fps": fps})}
+    return {"image": item}
 
 
 def _timed(job: Job, fn):

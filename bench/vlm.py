@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from mm_engine.demo import scenes
@@ -98,7 +99,7 @@ def bench_model_path(byte_level: bool = False, even_heads: bool = False) -> Path
 # (patch 14, 2x2 merge, windows of 112 px, full attention every 4th layer) before the same
 # SmolLM2-135M-like language model (M-RoPE sections for its head size 64). min_pixels makes the
 # benchmark scenes (224 px and up) at least 392 x 392: 196 tokens an image, as the LLaVA model.
-QWEN_NAME = "qwen2.5-vl-like-v1"
+QWEN_NAME = "qwen2.5-vl-like-v2"  # v2: its chat template and video processor take clips
 QWEN_VISION_DIMS = dict(
     depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=576, window_size=112,
     fullatt_block_indexes=[3, 7, 11], hidden_act="silu",
@@ -185,6 +186,30 @@ def prompts_for(model: str):
         )
 
     return ask("describe this image"), ask
+
+
+def video_prompt_for(model: str) -> str:
+    """The captioning prompt of a clip, through the checkpoint's chat template."""
+    from transformers import AutoProcessor
+
+    content = [{"type": "video"}, {"type": "text", "text": "describe this video"}]
+    return AutoProcessor.from_pretrained(model).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+
+
+CLIP_FRAMES, CLIP_FPS = 8, 2.0  # a 4-second clip as Qwen's tooling samples it
+
+
+def clips(n: int, seed: int) -> list[tuple[torch.Tensor, float]]:
+    """Clips of generated scenes: each a scene panning sideways over `CLIP_FRAMES` frames, as
+    `([T, H, W, 3] uint8, fps)` (sampled frames, as a decoder hands them over)."""
+    out = []
+    for image in images(n, seed):
+        rgb = np.asarray(image.convert("RGB"))
+        frames = [np.roll(rgb, 8 * k, axis=1) for k in range(CLIP_FRAMES)]
+        out.append((torch.from_numpy(np.stack(frames)), CLIP_FPS))
+    return out
 
 
 def output_lengths(n: int, workload: str, seed: int) -> list[int]:

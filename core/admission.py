@@ -63,13 +63,15 @@ class Admission:
 
     def _image(self, k: int, span: ImageSpan) -> None:
         longest = max((hi - lo for lo, hi in span.embed_runs()), default=0)
+        name = f"{'video' if span.video else 'image'} {k}"
         if self.whole_images and longest > self.max_num_batched_tokens:
             raise ValueError(
-                f"image {k} has a run of {longest} tokens, more than one step's budget "
+                f"{name} has a run of {longest} tokens, more than one step's budget "
                 f"(max_num_batched_tokens={self.max_num_batched_tokens}); this model prefills "
                 "an image in one step, so raise max_num_batched_tokens"
             )
-        if span.length > self.max_image_tokens:
+        # A clip's tokens are bounded by its processor's budget (max_video_tokens) and max_model_len.
+        if not span.video and span.length > self.max_image_tokens:
             raise ValueError(
                 f"image {k} takes {span.length} tokens, more than max_image_tokens="
                 f"{self.max_image_tokens}; send a smaller image, lower max_pixels in "
@@ -78,11 +80,12 @@ class Admission:
         feat_bytes = span.num_embeds * self.bytes_per_embed
         if feat_bytes > self.encoder_cache_bytes:
             raise ValueError(
-                f"image {k}'s encoder output is {feat_bytes} bytes, larger than the encoder cache "
+                f"{name}'s encoder output is {feat_bytes} bytes, larger than the encoder cache "
                 f"({self.encoder_cache_bytes} bytes); raise encoder_cache_bytes"
             )
         if span.num_embeds > self.encoder_budget:
+            fewer = " (or sample fewer frames: fps, num_frames, max_video_tokens)" if span.video else ""
             raise ValueError(
-                f"image {k} is {span.num_embeds} encoder tokens, more than the per-step encoder "
-                f"budget ({self.encoder_budget}); raise max_num_encoder_tokens"
+                f"{name} is {span.num_embeds} encoder tokens, more than the per-step encoder "
+                f"budget ({self.encoder_budget}); raise max_num_encoder_tokens{fewer}"
             )

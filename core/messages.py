@@ -45,6 +45,8 @@ class ImageMsg(msgspec.Struct, array_like=True):
     embed_mask: list[bool] | None = None
     grid: list[int] | None = None
     pixels: TensorMsg | None = None  # None: the core holds this hash's pixels already
+    temporal_step: float = 1.0
+    video: bool = False
 
 
 class Add(msgspec.Struct, tag=True):

@@ -66,7 +66,17 @@ def image_messages(spans: list[ImageSpan], send: list[bool]) -> list[ImageMsg]:
         embed_mask = None if span.embed_mask is None else list(span.embed_mask)
         grid = None if span.grid is None else list(span.grid)
         msgs.append(
-            ImageMsg(span.offset, span.length, span.content_hash, span.num_embeds, embed_mask, grid, pixels)
+            ImageMsg(
+                span.offset,
+                span.length,
+                span.content_hash,
+                span.num_embeds,
+                embed_mask,
+                grid,
+                pixels,
+                span.temporal_step,
+                span.video,
+            )  # fmt: skip
         )
     return msgs
 
@@ -89,7 +99,11 @@ class PixelStore:
             embed_mask = None if m.embed_mask is None else tuple(m.embed_mask)
             grid = None if m.grid is None else tuple(m.grid)
             key = m.content_hash
-            out.append(ImageSpan(m.offset, m.length, pixels, key, embed_mask, m.num_embeds, grid))
+            out.append(
+                ImageSpan(
+                    m.offset, m.length, pixels, key, embed_mask, m.num_embeds, grid, m.temporal_step, m.video
+                )
+            )
         for key in forget:
             self._pixels.pop(key, None)
         return out

@@ -56,8 +56,12 @@ class AsyncLLM(AsyncEngine):
         """`AsyncLLM.from_engine_args(model, kv_cache_memory_bytes=..., stall_timeout=...,
         image_limits=...)`."""
         limits = kwargs.pop("image_limits", None)
+        video_limits = kwargs.pop("video_limits", None)
         own = {k: kwargs.pop(k) for k in list(kwargs) if k not in EngineConfig.__dataclass_fields__}
-        return cls(LLMEngine(EngineConfig.from_kwargs(model, **kwargs), image_limits=limits), **own)
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(model, **kwargs), image_limits=limits, video_limits=video_limits
+        )
+        return cls(engine, **own)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps (after every command sent before)."""

@@ -28,6 +28,8 @@ class ImageSpan:
     embed_mask: tuple[bool, ...] | None = None  # which run positions carry embeddings; None: all
     num_embeds: int = -1  # embeddings the tower produces (-1: one per run position)
     grid: tuple[int, ...] | None = None  # the family's patch grid, where it has one (Qwen: t, h, w)
+    temporal_step: float = 1.0  # M-RoPE time positions per temporal patch (a video's; models/interface.py)
+    video: bool = False  # a clip's frames rather than an image
 
     def __post_init__(self) -> None:
         if self.num_embeds < 0:

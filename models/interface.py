@@ -21,6 +21,7 @@ from torch import nn
 
 from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.request import ImageSpan
+from mm_engine.vision.video_io import FrameSampling, Video
 
 
 @dataclass(slots=True)
@@ -31,6 +32,9 @@ class ProcessedImage:
     num_embeds: int  # vision embeddings the tower produces for it
     content_hash: str  # pixels and processing settings
     grid: tuple[int, ...] | None = None  # the family's patch grid (Qwen: t, h, w), if it has one
+    # M-RoPE time positions per temporal patch of a video (Qwen2.5-VL: tokens per second x
+    # seconds per patch); 1 for images and for families that count patches.
+    temporal_step: float = 1.0
 
 
 class Processing:
@@ -41,8 +45,20 @@ class Processing:
     image_token_id: int
     fixed_tokens: int | None = None  # every image takes this many tokens (None: it depends on the image)
 
+    video_token: str | None = None  # the placeholder a prompt writes once per video (None: no video)
+    video_token_id: int | None = None
+
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
         raise NotImplementedError
+
+    def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
+        """How this family samples a clip's frames, with the request's options (fps, num_frames,
+        min_frames, max_frames) over the server's."""
+        raise ValueError(f"{type(self).__name__.removesuffix('Processing')} does not read video")
+
+    def process_video(self, video: Video, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+        """One sampled clip -> its run of video tokens and the tower's input (frames as patches)."""
+        raise ValueError(f"{type(self).__name__.removesuffix('Processing')} does not read video")
 
     def process_images(
         self, images: list[Image.Image], overrides: Mapping[str, Any] | None = None

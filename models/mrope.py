@@ -1,9 +1,11 @@
 """Multimodal rotary positions (M-RoPE) of the Qwen VL line, computed once per request.
 
 Text tokens advance all three axes (temporal, height, width) together. An image's tokens, on its
-merged grid `t x h x w`, sit at `start + (ti, hi, wi)`; the text after it continues from `start +
-max(h, w)`. Any later token `i` (decode, or output recomputed after preemption) is at `i + delta`
-on every axis, where `delta` is the prompt's largest position + 1 minus its length.
+merged grid `t x h x w`, sit at `start + (ti, hi, wi)`; a video's temporal index is scaled by its
+`temporal_step` first (Qwen2.5-VL: `floor(ti x tokens_per_second x seconds per patch)`). The text
+after either continues from `start + max(h, w)`, as transformers places it. Any later token `i`
+(decode, or output recomputed after preemption) is at `i + delta` on every axis, where `delta` is
+the prompt's last position + 1 minus its length.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ def mrope_positions(num_tokens: int, images: list[ImageSpan], merge: int) -> Pos
         pieces.append(torch.arange(pos, pos + text).expand(3, -1))
         pos += text
         t, h, w = span.grid[0], span.grid[1] // merge, span.grid[2] // merge
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        # A video's patches spaced in time, in float32 as transformers computes them.
+        times = (torch.arange(t) * torch.tensor(span.temporal_step, dtype=torch.float32)).long()
+        grid = torch.stack(torch.meshgrid(times, torch.arange(h), torch.arange(w), indexing="ij"))
         grid = grid.reshape(3, -1) + pos
         if grid.shape[1] != span.length:
             raise ValueError(f"an image grid of {grid.shape[1]} tokens does not match its {span.length}")
@@ -31,4 +35,6 @@ def mrope_positions(num_tokens: int, images: list[ImageSpan], merge: int) -> Pos
         done = span.offset + span.length
     pieces.append(torch.arange(pos, pos + num_tokens - done).expand(3, -1))
     prompt = torch.cat(pieces, dim=1).contiguous()
-    return Positions(prompt, int(prompt.max()) + 1 - num_tokens)
+    # Later tokens continue from the prompt's last position (transformers' generate adds one to it),
+    # which a video's time positions may exceed; for images it is the largest position.
+    return Positions(prompt, int(prompt[:, -1].max()) + 1 - num_tokens)

@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mm_engine.vision.video_io import FrameSampling
+
+# Frame sampling options of a video, as vLLM and transformers' video processors spell them.
+SAMPLING_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames")
+
 
 def positive_option(key: str, value) -> int:
     """A processor option that must be a positive integer."""
@@ -27,3 +32,22 @@ def longest_edge(default: int, options: Mapping[str, Any] | None) -> int:
             )
         edge = positive_option("longest_edge", value)
     return edge
+
+
+def frame_sampling(base: FrameSampling, options: Mapping[str, Any] | None) -> FrameSampling:
+    """`base` (a family's defaults) with the sampling options among `options` applied: `fps` and
+    `num_frames` replace each other, as the processors take only one."""
+    fields = {k: v for k, v in (options or {}).items() if k in SAMPLING_OPTIONS}
+    for key in ("num_frames", "min_frames", "max_frames"):
+        if key in fields:
+            positive_option(key, fields[key])
+    fps = fields.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float)):
+        raise ValueError(f"mm_processor_kwargs fps must be a positive number, got {fps!r}")
+    if "num_frames" in fields and "fps" not in fields:
+        fields["fps"] = None
+    elif "fps" in fields and "num_frames" not in fields:
+        fields["num_frames"] = None
+    merged = dict(fps=base.fps, num_frames=base.num_frames, min_frames=base.min_frames,
+                  max_frames=base.max_frames, factor=base.factor) | fields  # fmt: skip
+    return FrameSampling(**merged)

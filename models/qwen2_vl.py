@@ -28,7 +28,7 @@ from mm_engine.models.interface import MultimodalModel, Positions, ProcessedImag
 from mm_engine.models.layers.decoder import DecoderLM, mrope_streams
 from mm_engine.models.layers.qwen_vision import QwenVisionTower
 from mm_engine.models.mrope import mrope_positions
-from mm_engine.models.options import positive_option
+from mm_engine.models.options import SAMPLING_OPTIONS, frame_sampling, positive_option
 from mm_engine.models.platform import Platform
 from mm_engine.models.weights import (
     build_language_model,
@@ -41,9 +41,20 @@ from mm_engine.models.weights import (
 from mm_engine.parallel.group import TPGroup
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
+from mm_engine.vision.video_io import FrameSampling, Video, video_content_hash
 
-# Processor options a request or server may set (`mm_processor_kwargs`), as vLLM spells them.
+# Processor options a request or server may set (`mm_processor_kwargs`), as vLLM spells them:
+# pixels per image and per video frame, then a video's sampling and its token budget.
 PIXEL_OPTIONS = ("min_pixels", "max_pixels")
+OPTIONS = (*PIXEL_OPTIONS, *SAMPLING_OPTIONS, "max_video_tokens")
+VIDEO_VERSIONS = ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL's timestamps between frames: not yet
+DEFAULT_FPS = 2.0  # what Qwen's own tooling samples at
+VERSION_NAMES = {
+    "qwen3_vl": "Qwen3-VL",
+    "qwen3_vl_moe": "Qwen3-VL-MoE",
+    "qwen3_5": "Qwen3.5",
+    "qwen3_5_moe": "Qwen3.5-MoE",
+}
 
 
 def check_config(config) -> None:
@@ -70,6 +81,28 @@ class QwenProcessing(Processing):
         self.size = self._size({}, kwargs)
         settings = self.hf.to_dict()
         self._salt = json.dumps(settings, sort_keys=True, default=str)
+        self.video_hf = None
+        self.model_type = config.model_type
+        if config.model_type in VIDEO_VERSIONS and getattr(config, "video_token_id", None) is not None:
+            self._init_video(path, tokenizer, config, kwargs)
+
+    def _init_video(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None) -> None:
+        from transformers import AutoVideoProcessor
+
+        hf = self.video_hf = AutoVideoProcessor.from_pretrained(path)
+        self.video_token_id = config.video_token_id
+        self.video_token = tokenizer.convert_ids_to_tokens(self.video_token_id)
+        self.video_size = self._size(
+            {"shortest_edge": hf.size.shortest_edge, "longest_edge": hf.size.longest_edge}, kwargs
+        )
+        base = FrameSampling(DEFAULT_FPS, None, hf.min_frames, hf.max_frames, hf.temporal_patch_size)
+        self.sampling = frame_sampling(base, kwargs)
+        self.max_video_tokens = self._video_tokens(hf.max_video_tokens, kwargs)
+        # Qwen2.5-VL spaces a video's M-RoPE time positions by seconds; Qwen2-VL counts patches.
+        self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", None)
+        if config.model_type != "qwen2_5_vl":
+            self.tokens_per_second = None
+        self._video_salt = json.dumps(hf.to_dict(), sort_keys=True, default=str)
 
     def _size(self, base: dict, options: Mapping[str, Any] | None) -> dict:
         """The processor's `size` (shortest_edge = min pixels, longest_edge = max pixels)."""
@@ -78,10 +111,12 @@ class QwenProcessing(Processing):
             "longest_edge": self.hf.size.longest_edge,
         }
         for key, value in (options or {}).items():
-            if key not in PIXEL_OPTIONS:
+            if key not in OPTIONS:
                 raise ValueError(
-                    f"unknown mm_processor_kwargs option {key!r}; supported: {', '.join(PIXEL_OPTIONS)}"
+                    f"unknown mm_processor_kwargs option {key!r}; supported: {', '.join(OPTIONS)}"
                 )
+            if key not in PIXEL_OPTIONS:
+                continue  # a video's: checked where videos are read
             value = positive_option(key, value)
             size["shortest_edge" if key == "min_pixels" else "longest_edge"] = value
         if size["shortest_edge"] > size["longest_edge"]:
@@ -98,6 +133,40 @@ class QwenProcessing(Processing):
         salt = f"{self._salt}|{size['shortest_edge']}:{size['longest_edge']}".encode()
         return ProcessedImage(
             out["pixel_values"], [self.image_token_id] * n, None, n, image_content_hash(image, salt), grid
+        )
+
+    def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
+        if self.video_hf is None:
+            name = VERSION_NAMES.get(self.model_type, self.model_type)
+            raise ValueError(f"{name} video is not supported yet (Qwen2-VL and Qwen2.5-VL read video)")
+        return frame_sampling(self.sampling, overrides)
+
+    @staticmethod
+    def _video_tokens(default: int, options: Mapping[str, Any] | None) -> int:
+        value = (options or {}).get("max_video_tokens")
+        return default if value is None else positive_option("max_video_tokens", value)
+
+    def process_video(self, video: Video, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+        """The video processor on the sampled frames, its per-frame pixels bounded by an even share
+        of `max_video_tokens` as Qwen's reference tooling does (`cap_pixels_per_frame`)."""
+        if self.video_hf is None:
+            return super().process_video(video, overrides)
+        size = self._size(self.video_size, overrides)
+        budget = self._video_tokens(self.max_video_tokens, overrides)
+        out = self.video_hf(
+            videos=[video.frames], size=size, do_sample_frames=False, cap_pixels_per_frame=True,
+            max_video_tokens=budget, return_tensors="pt",
+        )  # fmt: skip
+        grid = tuple(int(g) for g in out["video_grid_thw"][0])
+        n = grid[0] * grid[1] * grid[2] // self.merge**2
+        step = 1.0
+        if self.tokens_per_second is not None:  # as transformers computes it, in float32
+            seconds = torch.tensor(self.video_hf.temporal_patch_size / video.sampled_fps, dtype=torch.float32)
+            step = float(self.tokens_per_second * seconds)
+        salt = f"{self._video_salt}|{size['shortest_edge']}:{size['longest_edge']}|{budget}|{step}".encode()
+        tokens = [self.video_token_id] * n
+        return ProcessedImage(
+            out["pixel_values_videos"], tokens, None, n, video_content_hash(video, salt), grid, step
         )
 
 
@@ -127,9 +196,9 @@ class Qwen2VLModel(MultimodalModel):
         self.image_token_id = config.image_token_id
         self.merge = config.vision_config.spatial_merge_size
         video = getattr(config, "video_token_id", None)
-        if video is not None:
+        if video is not None and config.model_type not in VIDEO_VERSIONS:
             self.refused_tokens = {
-                video: f"the video placeholder (token {video}); video input is not supported yet"
+                video: f"the video placeholder (token {video}); {self.family} video is not supported yet"
             }
 
     @property

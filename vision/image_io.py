@@ -153,16 +153,16 @@ def _decode(image: Image.Image, name: str) -> None:
         raise ImageError(f"{name} is not a decodable image (truncated or corrupt{fmt} data)") from e
 
 
-def decode_data_url(url: str) -> bytes:
-    """Return the payload of a `data:image/<fmt>;base64,<payload>` URL."""
+def decode_data_url(url: str, media: str = "image") -> bytes:
+    """Return the payload of a `data:<media>/<fmt>;base64,<payload>` URL (media: image or video)."""
     if not isinstance(url, str) or url[:5].lower() != "data:":
-        raise ImageError("expected a data URL (data:image/<format>;base64,...)")
+        raise ImageError(f"expected a data URL (data:{media}/<format>;base64,...)")
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise ImageError("data URL has no ',' before its payload")
     media_type, *params = (p.strip().lower() for p in header.split(";"))
-    if not media_type.startswith("image/"):
-        raise ImageError(f"data URL media type must be image/*, got {media_type[:50] or 'none'!r}")
+    if not media_type.startswith(f"{media}/"):
+        raise ImageError(f"data URL media type must be {media}/*, got {media_type[:50] or 'none'!r}")
     if "base64" not in params:
         raise ImageError("data URL must be base64-encoded")
     payload = "".join(payload.split())  # line-wrapped base64 is common

@@ -18,6 +18,7 @@ from mm_engine.frontend.frontend import Frontend
 from mm_engine.frontend.input_lanes import LIGHT_INPUT_BYTES
 from mm_engine.models.loader import load_config, resolve_model_path
 from mm_engine.vision.image_io import ImageLimits
+from mm_engine.vision.video_io import VideoLimits
 
 
 class AsyncMPLLM(AsyncEngine):
@@ -26,6 +27,7 @@ class AsyncMPLLM(AsyncEngine):
         config: EngineConfig,
         *,
         image_limits: ImageLimits | None = None,
+        video_limits: VideoLimits | None = None,
         input_workers: int = 2,
         light_input_bytes: int = LIGHT_INPUT_BYTES,
         stall_timeout: float = 60.0,
@@ -48,7 +50,7 @@ class AsyncMPLLM(AsyncEngine):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         path = resolve_model_path(config.model)
-        self.frontend = Frontend(config, path, load_config(path), image_limits)
+        self.frontend = Frontend(config, path, load_config(path), image_limits, video_limits)
         core_config = dataclasses.replace(config, model=str(path))
         clients: list[CoreProcess | AttachedCore] = (
             [AttachedCore(*pair) for pair in attach]

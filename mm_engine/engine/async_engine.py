@@ -110,7 +110,8 @@ class AsyncEngine:
         the model's chat template (which also describes `tools`, when given); `overrides`: image
         processor options; `template_kwargs`: extra template variables."""
         work = lambda: ProcessedInputs(*self._inputs.chat(messages, overrides, tools, template_kwargs))  # noqa: E731
-        held = (messages.messages, messages.images) if isinstance(messages, TemplateChat) else messages
+        chat = isinstance(messages, TemplateChat)
+        held = (messages.messages, messages.images, messages.videos) if chat else messages
         return await self.run_in_worker(work, weight=self._weigh(held))
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, weight: int | None = None) -> Any:

@@ -20,18 +20,24 @@ from mm_engine.outputs import RequestOutput
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.vision.image_io import ImageLimits
+from mm_engine.vision.video_io import VideoLimits
 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, *, multiprocess: bool = False, image_limits: ImageLimits | None = None
+        self,
+        config: EngineConfig,
+        *,
+        multiprocess: bool = False,
+        image_limits: ImageLimits | None = None,
+        video_limits: VideoLimits | None = None,
     ) -> None:
         """`multiprocess`: the core in a process of its own (this thread detokenizes one step's
         outputs while the core computes the next). `image_limits`: what every image is checked
         against."""
         self.config = config
         path = resolve_model_path(config.model)
-        self.frontend = Frontend(config, path, load_config(path), image_limits)
+        self.frontend = Frontend(config, path, load_config(path), image_limits, video_limits)
         core_config = dataclasses.replace(config, model=str(path))
         max_image_tokens = self.frontend.max_image_tokens
         self.client: EngineCoreClient = (

@@ -1,5 +1,6 @@
 """OpenAI-style chat messages checked and turned into what a chat template takes (`TemplateChat`):
-each image part becomes `{"type": "image"}` and its image is collected, in order. Every error
+each image part becomes `{"type": "image"}` and its image is collected, in order (a video part
+likewise: `{"type": "video"}`). Every error
 names the message and part it is about. The HTTP routes build a `TemplateChat` straight from the
 messages their schema already validated; the Python API's dicts are validated here."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mm_engine.vision.image_io import ImageError
@@ -20,6 +21,7 @@ class TemplateChat:
 
     messages: list[dict]
     images: list[str | bytes]
+    videos: list[str | bytes] = field(default_factory=list)  # `data:` URLs or encoded clips, likewise
 
     def text_chars(self) -> int:
         return sum(text_chars(m["content"]) for m in self.messages)
@@ -30,7 +32,7 @@ def to_template_messages(messages: Any) -> TemplateChat:
     carry `tool_calls` (its content then may be None) and a `tool` message its `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    converted, images = [], []
+    converted, images, videos = [], [], []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, Mapping) else None
         if not isinstance(m, Mapping) or "role" not in m or ("content" not in m and not calls):
@@ -74,12 +76,21 @@ def to_template_messages(messages: Any) -> TemplateChat:
                     raise ImageError(f"image {len(images)}: {message}", len(images))
                 images.append(url)  # decoded with the others, so that an error names it
                 parts.append({"type": "image"})
+            elif kind == "video_url":
+                url = part.get("video_url")
+                url = url.get("url") if isinstance(url, Mapping) else url
+                if not isinstance(url, str) or not url.startswith("data:"):
+                    message = "video_url must be a data: URL here (remote videos are not fetched)"
+                    raise ValueError(f"video {len(videos)}: {message}")
+                videos.append(url)
+                parts.append({"type": "video"})
             else:
                 raise ValueError(
-                    f"messages[{i}].content[{j}]: unsupported part type {kind!r}; use 'text' or 'image_url'"
+                    f"messages[{i}].content[{j}]: unsupported part type {kind!r}; use 'text', "
+                    "'image_url' or 'video_url'"
                 )
         converted.append({"role": m["role"], "content": parts, **extra})
-    return TemplateChat(converted, images)
+    return TemplateChat(converted, images, videos)
 
 
 def _template_call(call: Any, where: str) -> dict:

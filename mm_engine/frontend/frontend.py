@@ -28,14 +28,16 @@ from mm_engine.outputs import RequestOutput
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.vision.image_io import ImageLimits
+from mm_engine.vision.video_io import VideoLimits
 
 IMAGE_TOKEN_FRACTION = 0.25  # of max_model_len: the default max_image_tokens
 
 
 class Frontend:
     def __init__(
-        self, config: EngineConfig, path: Path, hf_config, image_limits: ImageLimits | None = None
-    ) -> None:
+        self, config: EngineConfig, path: Path, hf_config, image_limits: ImageLimits | None = None,
+        video_limits: VideoLimits | None = None,
+    ) -> None:  # fmt: skip
         """`path`: the resolved checkpoint folder; `hf_config`: its config; `image_limits`: what
         every image is checked against (default `ImageLimits()`)."""
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -51,6 +53,7 @@ class Frontend:
             processing,
             template,
             image_limits,
+            video_limits,
             max_prompt_chars=2 * self.max_model_len * max(longest, 1),
             grammars=Grammars.for_config(config, per_thread.get, hf_config.text_config.vocab_size),
             tool_format=tool_format_for(hf_config.model_type, template),

@@ -29,6 +29,8 @@ def input_weight(obj: Any, limit: int = 1 << 62) -> int:
             total += len(x)
         elif isinstance(x, Image.Image):
             total += x.width * x.height * 3
+        elif hasattr(x, "nbytes"):  # arrays and tensors (a clip's frames)
+            total += int(x.nbytes)
         elif isinstance(x, dict):
             todo.extend(x.values())
         elif isinstance(x, list | tuple):

@@ -13,10 +13,11 @@ import PIL.Image
 
 from mm_engine.core.structured_output import Grammars
 from mm_engine.frontend.chat_messages import TemplateChat, to_template_messages
-from mm_engine.models.interface import Processing
+from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.request import ImageSpan
 from mm_engine.sampling_params import SamplingParams
 from mm_engine.vision.image_io import ImageError, ImageLimits, decode_data_url, load_image
+from mm_engine.vision.video_io import VideoError, VideoLimits, load_video
 
 
 class InputProcessor:
@@ -26,6 +27,7 @@ class InputProcessor:
         processing: Processing,
         chat_template: str | None,
         limits: ImageLimits | None = None,
+        video_limits: VideoLimits | None = None,
         *,
         max_prompt_chars: int | None = None,
         grammars: Grammars | None = None,
@@ -40,6 +42,7 @@ class InputProcessor:
         self.image_token = processing.image_token
         self.chat_template = chat_template
         self.limits = limits or ImageLimits()
+        self.video_limits = video_limits or VideoLimits()
         self.max_prompt_chars = max_prompt_chars
         self.grammars = grammars
         self.tool_format = tool_format
@@ -89,10 +92,12 @@ class InputProcessor:
         if unknown:
             raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
         mm = prompt.get("multi_modal_data") or {}
-        if set(mm) - {"image"}:
-            raise ValueError(f"only image inputs are supported, got {', '.join(sorted(set(mm) - {'image'}))}")
+        if set(mm) - {"image", "video"}:
+            unknown = ", ".join(sorted(set(mm) - {"image", "video"}))
+            raise ValueError(f"multi_modal_data takes 'image' and 'video', got {unknown}")
         images = mm.get("image", [])
         images = list(images) if isinstance(images, list | tuple) else [images]
+        videos = _videos(mm.get("video"))
         text = prompt.get("prompt")
         if "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
@@ -106,40 +111,71 @@ class InputProcessor:
         overrides = prompt.get("mm_processor_kwargs")
         if overrides is not None and not isinstance(overrides, Mapping):
             raise ValueError("mm_processor_kwargs must be a dict of processor options")
-        return text, *self.expand(ids, images, overrides)
+        return text, *self.expand(ids, images, overrides, videos)
 
     def expand(
-        self, ids: list[int], images: list[Any], overrides: Mapping[str, Any] | None = None
-    ) -> tuple[list[int], list[ImageSpan]]:
-        """Replace each image placeholder with the image's run of tokens, processing each image."""
-        n_placeholders = ids.count(self.image_token_id)
-        if n_placeholders != len(images):
-            raise ValueError(
-                f"the prompt has {n_placeholders} image placeholder(s) ({self.image_token}) "
-                f"but {len(images)} image(s) were given"
-            )
+        self, ids: list[int], images: list[Any], overrides: Mapping[str, Any] | None = None,
+        videos: list[Any] = (),
+    ) -> tuple[list[int], list[ImageSpan]]:  # fmt: skip
+        """Replace each image (and video) placeholder with its run of tokens, processing each."""
+        video_id = self.processing.video_token_id
+        if videos and video_id is None:
+            self.processing.video_sampling(overrides)  # the family's own reason, where it has one
+            raise ValueError(f"{_family(self.processing)} does not read video")
+        placeholders = [("image", self.image_token_id, self.image_token, images),
+                        ("video", video_id, self.processing.video_token, videos)]  # fmt: skip
+        for kind, token, name, given in placeholders:
+            n = ids.count(token) if token is not None else 0
+            if n != len(given):
+                raise ValueError(
+                    f"the prompt has {n} {kind} placeholder(s) ({name}) but {len(given)} {kind}(s) were given"
+                )
         pils = [self._load(img, i) for i, img in enumerate(images)]
-        processed = self._process(pils, overrides)
+        processed = iter(self._process(pils, overrides))
+        clips = iter([(self._video(v, i, overrides), True) for i, v in enumerate(videos)])
         out: list[int] = []
         spans: list[ImageSpan] = []
         for tok in ids:
-            if tok != self.image_token_id:
+            if tok == self.image_token_id:
+                item, video = next(processed), False
+            elif video_id is not None and tok == video_id:
+                item, video = next(clips)
+            else:
                 out.append(tok)
                 continue
-            image = processed[len(spans)]
             spans.append(
                 ImageSpan(
                     offset=len(out),
-                    length=len(image.tokens),
-                    pixel_values=image.pixel_values,
-                    content_hash=image.content_hash,
-                    embed_mask=image.embed_mask,
-                    num_embeds=image.num_embeds,
-                    grid=image.grid,
+                    length=len(item.tokens),
+                    pixel_values=item.pixel_values,
+                    content_hash=item.content_hash,
+                    embed_mask=item.embed_mask,
+                    num_embeds=item.num_embeds,
+                    grid=item.grid,
+                    temporal_step=item.temporal_step,
+                    video=video,
                 )
             )
-            out.extend(image.tokens)
+            out.extend(item.tokens)
         return out, spans
+
+    def _video(self, video: Any, index: int, overrides: Mapping[str, Any] | None) -> ProcessedImage:
+        """Decode, sample and process one clip; an error names it."""
+        sampling = self.processing.video_sampling(overrides)
+        if isinstance(video, str):
+            if not video.startswith("data:"):
+                raise VideoError(f"video {index}: a string video must be a data: URL")
+            try:
+                video = decode_data_url(video, "video")
+            except ValueError as exc:
+                raise VideoError(f"video {index}: {exc}") from None
+        clip = load_video(video, sampling, self.video_limits, name=f"video {index}")
+        try:
+            return self.processing.process_video(clip, overrides)
+        except VideoError:
+            raise
+        except ValueError as exc:
+            raise VideoError(f"video {index}: {exc}") from None
 
     def _process(self, pils: list[PIL.Image.Image], overrides: Mapping[str, Any] | None) -> list:
         if len(pils) <= 1 or type(self.processing).process_images is Processing.process_images:
@@ -189,7 +225,23 @@ class InputProcessor:
         )  # fmt: skip
         # The template writes its own special tokens; adding them again would double the BOS.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, *self.expand(ids, chat.images, overrides)
+        return text, *self.expand(ids, chat.images, overrides, chat.videos)
+
+
+def _videos(given: Any) -> list[Any]:
+    """`multi_modal_data["video"]` as a list of clips: one clip may be a list of PIL frames or a
+    `(frames, {"fps": ...})` pair, so only other lists are lists of clips."""
+    if given is None:
+        return []
+    if isinstance(given, list | tuple) and given and all(isinstance(f, PIL.Image.Image) for f in given):
+        return [given]
+    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], Mapping):
+        return [given]
+    return list(given) if isinstance(given, list | tuple) else [given]
+
+
+def _family(processing: Processing) -> str:
+    return type(processing).__name__.removesuffix("Processing") or "this model"
 
 
 # apply_chat_template's own arguments and what the template is given anyway: not a client's to set.

@@ -50,6 +50,7 @@ class Captioner:
         workers: int = 4,
         max_in_flight: int | None = None,
         prefetch: int | None = None,
+        video_options: dict | None = None,
     ) -> None:
         self.engine = getattr(llm, "engine", llm)
         self.inputs = self.engine.inputs
@@ -68,35 +69,49 @@ class Captioner:
         )
         self.prefetch = prefetch or max(2 * workers, 8)
         self.prompt = prompt
-        self._prompts: dict[str, tuple[str, list[int]]] = {}
+        self.video_options = dict(video_options or {})  # a clip's sampling (fps, max_frames)
+        self._prompts: dict[tuple[str, bool], tuple[str, list[int]]] = {}
         self.prompt_ids(prompt)  # a job whose own prompt cannot work fails before any image
 
-    def prompt_ids(self, prompt: str) -> tuple[str, list[int]]:
-        """The full prompt text and its token ids, with one image placeholder: tokenized once per
-        distinct prompt (most jobs have a single one), not once per image."""
-        if prompt in self._prompts:
-            return self._prompts[prompt]
-        tok, placeholder = self.inputs.tokenizer, self.inputs.image_token
+    def prompt_ids(self, prompt: str, video: bool = False) -> tuple[str, list[int]]:
+        """The full prompt text and its token ids, with one image (or video) placeholder:
+        tokenized once per distinct prompt (most jobs have a single one), not once per input."""
+        if (prompt, video) in self._prompts:
+            return self._prompts[prompt, video]
+        inputs = self.inputs
+        tok = inputs.tokenizer
+        placeholder, token_id = inputs.image_token, inputs.image_token_id
+        if video:
+            if inputs.processing.video_token is None:
+                inputs.processing.video_sampling()  # the family says why it reads no video
+            placeholder, token_id = inputs.processing.video_token, inputs.processing.video_token_id
         if placeholder in prompt:
             text, ids = prompt, tok(prompt)["input_ids"]
-        elif self.inputs.chat_template is not None:
-            message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}
+        elif inputs.chat_template is not None:
+            part = {"type": "video" if video else "image"}
+            message = {"role": "user", "content": [part, {"type": "text", "text": prompt}]}
             text = tok.apply_chat_template(
-                [message], chat_template=self.inputs.chat_template, tokenize=False, add_generation_prompt=True
+                [message], chat_template=inputs.chat_template, tokenize=False, add_generation_prompt=True
             )
             ids = tok(text, add_special_tokens=False)["input_ids"]  # the template wrote BOS already
         else:
             raise ValueError(f"this model has no chat template: the prompt must contain {placeholder}")
-        if ids.count(self.inputs.image_token_id) != 1:
-            raise ValueError(f"the prompt must contain exactly one image placeholder {placeholder}")
+        if ids.count(token_id) != 1:
+            raise ValueError(f"the prompt must contain exactly one placeholder {placeholder}")
         if len(self._prompts) >= 1024:  # many distinct manifest prompts: keep the cache bounded
             self._prompts.clear()
-        self._prompts[prompt] = (text, ids)
+        self._prompts[prompt, video] = (text, ids)
         return text, ids
 
     def _prepare(self, inp: CaptionInput, text: str, ids: list[int]):
         """On a worker thread: read, decode and check the image, preprocess it, expand the ids."""
         source = inp.data if inp.data is not None else Path(inp.path or "")
+        if inp.video:  # decoded, sampled and checked by the input processor
+            data = {"video": source}
+            return self.inputs.process(
+                {"prompt": text, "prompt_token_ids": ids, "multi_modal_data": data,
+                 "mm_processor_kwargs": self.video_options}
+            )  # fmt: skip
         image = load_image(source, self.inputs.limits, name="input")
         return self.inputs.process(
             {"prompt": text, "prompt_token_ids": ids, "multi_modal_data": {"image": image}}
@@ -107,7 +122,7 @@ class Captioner:
         try:
             if inp.error is not None:
                 raise ValueError(inp.error)
-            text, ids = self.prompt_ids(prompt)
+            text, ids = self.prompt_ids(prompt, inp.video)
         except ValueError as exc:  # failed before any image is read: goes out the same way
             failed: Future = Future()
             failed.set_exception(exc)
@@ -155,7 +170,7 @@ def caption_record(inp: CaptionInput, prompt: str, out, parse_json: bool = False
     c = out.outputs[0]
     rec = {
         "id": inp.id,
-        "image": inp.image,
+        "video" if inp.video else "image": inp.image,
         "prompt": prompt,
         "caption": c.text,
         "finish_reason": c.finish_reason,
@@ -172,7 +187,7 @@ def caption_record(inp: CaptionInput, prompt: str, out, parse_json: bool = False
 
 
 def error_record(inp: CaptionInput, message: str) -> dict:
-    return {"id": inp.id, "image": inp.image, "error": message}
+    return {"id": inp.id, "video" if inp.video else "image": inp.image, "error": message}
 
 
 def _message(exc: Exception) -> str:
@@ -201,6 +216,8 @@ def caption_images(
     shard: str | tuple[int, int] | None = None,
     progress: str | bool = "auto",
     log_interval: float = 10.0,
+    fps: float | None = None,
+    max_frames: int | None = None,
     **engine_args: Any,
 ) -> CaptionSummary:
     """Caption every image named by `inputs` (files, folders, globs, JSONL manifests) into the JSONL
@@ -211,7 +228,8 @@ def caption_images(
     path of a JSON file): every caption follows it, and each line gets the parsed object as "json".
     `llm`: an `LLM` already loaded
     (then `model` and `engine_args` are not used). `progress`: "auto" (a bar on a terminal, log
-    lines otherwise), "bar", "log" or "none". Raises ValueError/OSError when the job cannot run;
+    lines otherwise), "bar", "log" or "none". `fps`, `max_frames`: how clips are sampled (None:
+    the model's default). Raises ValueError/OSError when the job cannot run;
     a bad image is an error line, never an exception.
     """
     start = time.perf_counter()
@@ -237,7 +255,8 @@ def caption_images(
             from mm_engine.llm import LLM
 
             llm = LLM(model, seed=seed, **engine_args)
-        captioner = Captioner(llm, prompt, params, workers) if todo else None
+        video = {k: v for k, v in (("fps", fps), ("max_frames", max_frames)) if v is not None}
+        captioner = Captioner(llm, prompt, params, workers, video_options=video) if todo else None
         if overwrite:
             f.truncate(0)
         loaded = time.perf_counter() if captioner is not None else start  # no model needed: no load

@@ -38,7 +38,11 @@ def add_caption_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentP
 
 
 def _add_arguments(parser: argparse.ArgumentParser, add_engine_args) -> None:
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image file, folder, glob or manifest")
+    parser.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="image or video file, folder, glob or manifest"
+    )
+    parser.add_argument("--fps", type=float, default=None, help="frames per second sampled from a clip")
+    parser.add_argument("--max-frames", type=int, default=None, help="frames sampled from one clip, at most")
     parser.add_argument("--out", "-o", required=True, help="the results file (JSONL)")
     parser.add_argument(
         "--model", default=None, help="checkpoint folder or Hub name (default: embedded demo model)"
@@ -102,6 +106,8 @@ def run_caption(args: argparse.Namespace) -> int:
             shard=args.shard,
             progress=args.progress,
             log_interval=args.log_interval,
+            fps=args.fps,
+            max_frames=args.max_frames,
             **engine_args,
         )
     except KeyboardInterrupt:

@@ -1,5 +1,5 @@
-"""What a captioning job captions: files, folders, globs and JSONL manifests turned into a
-deterministic list of `CaptionInput`s, `--shard i/n` to split that list between machines, and
+"""What a captioning job captions: image and video files, folders, globs and JSONL manifests
+turned into a deterministic list of `CaptionInput`s, `--shard i/n` to split that list between machines, and
 `--resume` to leave out what a results file already has.
 
 Only names and prompts are listed here (a few hundred bytes an input); images are read later, a
@@ -21,6 +21,8 @@ from PIL import Image
 from mm_engine.vision.image_io import ImageLimits
 
 MANIFEST_SUFFIXES = (".jsonl", ".ndjson")
+# Clips are known by extension (their containers have no short magic number in common).
+VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi"})
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class CaptionInput:
     prompt: str | None = None  # None: the job's prompt
     data: bytes | None = None
     error: str | None = None  # set when the input is broken before any image is read (a bad manifest line)
+    video: bool = False  # a clip: `image` then names the video
 
 
 def _allowed_formats() -> frozenset[str]:
@@ -67,8 +70,16 @@ def is_image_file(path: str | os.PathLike, extensions: frozenset[str]) -> bool:
     return os.path.splitext(path)[1].lower() in extensions or looks_like_image(path)
 
 
+def is_video_file(path: str | os.PathLike) -> bool:
+    return os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
+
+
+def _input(path: str) -> CaptionInput:
+    return CaptionInput(path, path, path, video=is_video_file(path))
+
+
 def walk_folder(folder: str) -> list[str]:
-    """Image files under `folder`, recursively, sorted by path components so the order is the same
+    """Image and video files under `folder`, recursively, sorted by path components so the order is the same
     on every machine and run. Hidden files and folders (a leading '.') are left out, as globs do;
     an image-named file that turns out not to decode is still listed (and later gets an error)."""
     extensions = image_extensions()
@@ -77,7 +88,8 @@ def walk_folder(folder: str) -> list[str]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         rel = Path(root).relative_to(folder).parts
         for name in files:
-            if not name.startswith(".") and is_image_file(os.path.join(root, name), extensions):
+            path = os.path.join(root, name)
+            if not name.startswith(".") and (is_video_file(name) or is_image_file(path, extensions)):
                 found.append((*rel, name))
     found.sort()
     base = Path(folder)
@@ -85,8 +97,9 @@ def walk_folder(folder: str) -> list[str]:
 
 
 def read_manifest(manifest: str) -> Iterator[CaptionInput]:
-    """`{"image": path, "prompt": optional, "id": optional}` per line; a relative path is relative
-    to the manifest's folder. A broken line becomes an input with `error` set, never a silent skip."""
+    """`{"image": path, "prompt": optional, "id": optional}` per line (`"video": path` for a clip);
+    a relative path is relative to the manifest's folder. A broken line becomes an input with
+    `error` set, never a silent skip."""
     base = Path(manifest).parent
     with open(manifest, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -102,28 +115,33 @@ def read_manifest(manifest: str) -> Iterator[CaptionInput]:
             if problem:
                 yield CaptionInput(where, None, error=f"manifest line {lineno}: {problem}")
                 continue
-            image = entry["image"]
+            video = "video" in entry
+            image = entry["video" if video else "image"]
             raw_id = entry.get("id")
             yield CaptionInput(
                 id=image if raw_id is None else str(raw_id),
                 image=image,
                 path=(base / image).as_posix(),
                 prompt=entry.get("prompt"),
+                video=video,
             )
 
 
 def _manifest_problem(entry: object) -> str | None:
     if not isinstance(entry, dict):
         return "must be a JSON object"
-    if not isinstance(entry.get("image"), str) or not entry["image"]:
-        return "needs an 'image' path"
-    if "://" in entry["image"]:
-        return "'image' must be a local path (URLs are not fetched)"
+    if "image" in entry and "video" in entry:
+        return "has both 'image' and 'video': one input per line"
+    key = "video" if "video" in entry else "image"
+    if not isinstance(entry.get(key), str) or not entry[key]:
+        return "needs an 'image' (or 'video') path"
+    if "://" in entry[key]:
+        return f"'{key}' must be a local path (URLs are not fetched)"
     if entry.get("prompt") is not None and not isinstance(entry["prompt"], str):
         return "'prompt' must be a string"
     if entry.get("id") is not None and not isinstance(entry["id"], str | int):
         return "'id' must be a string or an integer"
-    unknown = set(entry) - {"image", "prompt", "id"}
+    unknown = set(entry) - {"image", "video", "prompt", "id"}
     if unknown:
         return f"unknown field(s) {', '.join(sorted(unknown))}"
     return None
@@ -132,12 +150,12 @@ def _manifest_problem(entry: object) -> str | None:
 def _expand(spec: str) -> Iterator[CaptionInput]:
     if os.path.isdir(spec):
         for path in walk_folder(spec):
-            yield CaptionInput(path, path, path)
+            yield _input(path)
     elif os.path.isfile(spec):
         if spec.lower().endswith(MANIFEST_SUFFIXES):
             yield from read_manifest(spec)
-        else:  # named explicitly: an input whatever its extension
-            yield CaptionInput(spec, spec, spec)
+        else:  # named explicitly: an input whatever its extension (a clip by its extension)
+            yield _input(spec)
     elif glob.has_magic(spec):
         matches = sorted(glob.glob(spec, recursive=True))
         if not matches:
@@ -146,8 +164,8 @@ def _expand(spec: str) -> Iterator[CaptionInput]:
         for match in matches:  # each match as if named, except that non-image files are left out
             if os.path.isdir(match) or match.lower().endswith(MANIFEST_SUFFIXES):
                 yield from _expand(match)
-            elif is_image_file(match, extensions):
-                yield CaptionInput(match, match, match)
+            elif is_video_file(match) or is_image_file(match, extensions):
+                yield _input(match)
     else:
         raise ValueError(f"{spec!r} is not a file, a folder or a glob that matches anything")
 

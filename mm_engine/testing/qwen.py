@@ -33,6 +33,7 @@ QWEN_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{% for call in message['tool_calls'] or [] %}<tool_call>"
     '{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
@@ -155,7 +156,7 @@ def _save_processor(path, version, tokenizer, patch_size, merge, min_pixels, max
         from transformers import Qwen2VLVideoProcessor as Video
     if version == "qwen2_5_vl":
         from transformers import Qwen2_5_VLProcessor as Processor
-    video = Video(patch_size=patch_size, merge_size=merge, temporal_patch_size=2)
+    video = Video(patch_size=patch_size, merge_size=merge, temporal_patch_size=2, size=size)
     Processor(
         image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=QWEN_CHAT_TEMPLATE
     ).save_pretrained(path)

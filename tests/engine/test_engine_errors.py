@@ -45,7 +45,16 @@ GOOD = {"prompt": "USER: <image> what is this ASSISTANT:", "multi_modal_data": {
             "image 0",
         ),
         ({"prompt": "USER: <image> what ASSISTANT:", "multi_modal_data": {"image": 42}}, None, "got int"),
-        ({"prompt": "USER: <image> what ASSISTANT:", "multi_modal_data": {"video": 1}}, None, "only image"),
+        (
+            {"prompt": "USER: <image> what ASSISTANT:", "multi_modal_data": {"video": 1}},
+            None,
+            "does not read video",
+        ),
+        (
+            {"prompt": "USER: <image> what ASSISTANT:", "multi_modal_data": {"audio": 1}},
+            None,
+            "'image' and 'video'",
+        ),
         ({"prompt_token_ids": []}, None, "empty"),
         (12, None, "must be a string or a dict"),
     ],

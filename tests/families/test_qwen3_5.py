@@ -119,7 +119,7 @@ def test_aborted_and_finished_requests_give_their_slots_back(hybrid):
 def test_video_placeholders_are_refused_by_name(hybrid):
     path, _ = hybrid
     llm = engine(path, "torch")
-    with pytest.raises(ValueError, match="video placeholder .* video input is not supported yet"):
+    with pytest.raises(ValueError, match="video placeholder .* Qwen3.5 video is not supported yet"):
         llm.generate(mm("<|im_start|>user <|vision_start|><|video_pad|><|vision_end|> hi", []), greedy(2))
     assert llm.generate(mm(prompt("what is this"), []), greedy(2))[0].finished  # still serving
 
