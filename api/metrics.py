@@ -63,6 +63,14 @@ class _EngineCollector(Collector):
             yield fam
         yield CounterMetricFamily(P + "encoder_cache_hits", "Images whose encoder output was cached.",
                                   value=s.get("encoder_cache_hits_total", 0))  # fmt: skip
+        for key, doc in (
+            ("encoded_inputs", "Images and clips the vision tower encoded, by modality."),
+            ("encoded_tokens", "Vision tokens the tower produced, by modality (image, video)."),
+        ):
+            fam = CounterMetricFamily(P + key, doc, labels=["modality"])
+            for modality in ("image", "video"):
+                fam.add_metric([modality], s.get(key + "_total", {}).get(modality, 0))
+            yield fam
         yield CounterMetricFamily(P + "num_preemptions", "Requests preempted (recompute or swap).",
                                   value=s.get("num_preemptions_total", 0))  # fmt: skip
         yield from _per_core(s.get("per_core", []))

@@ -47,6 +47,7 @@ class ImageMsg(msgspec.Struct, array_like=True):
     pixels: TensorMsg | None = None  # None: the core holds this hash's pixels already
     temporal_step: float = 1.0
     video: bool = False
+    time_offset: int = 0
 
 
 class Add(msgspec.Struct, tag=True):

@@ -71,7 +71,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv.spec.block_size
-        self.num_encoded_images = 0  # how many images the vision tower has encoded in all
+        self.num_encoded_images = 0  # how many images (clips too) the vision tower has encoded in all
+        self.encoded = {"image": [0, 0], "video": [0, 0]}  # per modality: inputs, vision tokens
         # Features of images a request's prefill has reached but not passed: request id -> image
         # index -> features. Stored as the scheduler's batches say (`new_images`, `passed_images`);
         # the core releases a request's when it is preempted or finishes.
@@ -314,6 +315,11 @@ class ModelRunner:
             for req, j in users:
                 self._held.setdefault(req.request_id, {})[j] = f
         self.num_encoded_images += len(todo)
+        for req, j in firsts:
+            span = req.images[j]
+            counts = self.encoded["video" if span.video else "image"]
+            counts[0] += 1
+            counts[1] += span.num_embeds
 
     def release(self, request_id: str) -> None:
         """Forget a request's image features (it was preempted, or it finished)."""

@@ -76,6 +76,7 @@ def image_messages(spans: list[ImageSpan], send: list[bool]) -> list[ImageMsg]:
                 pixels,
                 span.temporal_step,
                 span.video,
+                span.time_offset,
             )  # fmt: skip
         )
     return msgs
@@ -101,8 +102,17 @@ class PixelStore:
             key = m.content_hash
             out.append(
                 ImageSpan(
-                    m.offset, m.length, pixels, key, embed_mask, m.num_embeds, grid, m.temporal_step, m.video
-                )
+                    m.offset,
+                    m.length,
+                    pixels,
+                    key,
+                    embed_mask,
+                    m.num_embeds,
+                    grid,
+                    m.temporal_step,
+                    m.video,
+                    m.time_offset,
+                )  # fmt: skip
             )
         for key in forget:
             self._pixels.pop(key, None)

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 def kv_report(core: EngineCore) -> dict[str, dict]:
     """Per pool: blocks (total, used, free, cached), slots (allocated, filled), internal waste,
     prefix-cache queries/hits/misses, evictions, preemptions; plus swap and encoder-cache counts,
-    and (hybrid models) the recurrent-state slots."""
+    what the tower encoded by modality (images, clips: inputs and tokens), and (hybrid models)
+    the recurrent-state slots."""
     sched, swap, cache = core.scheduler, core.swap, core.encoder_cache
     report = core.blocks.report([*sched.running, *sched.waiting])
     for name in (TEXT, IMAGE):
@@ -34,6 +35,8 @@ def kv_report(core: EngineCore) -> dict[str, dict]:
         "misses": cache.misses,
         "evictions": cache.evictions,
     }
+    # What the tower encoded, by modality: a clip's frames are vision tokens of the image pool.
+    report["encoded"] = {m: {"inputs": n, "tokens": t} for m, (n, t) in core.runner.encoded.items()}
     return report
 
 
@@ -48,6 +51,8 @@ def core_stats(core: EngineCore) -> dict:
         },
         "num_preemptions_total": core.scheduler.num_preemptions,
         "num_encoded_images_total": core.runner.num_encoded_images,
+        "encoded_inputs_total": {m: n for m, (n, _) in core.runner.encoded.items()},
+        "encoded_tokens_total": {m: t for m, (_, t) in core.runner.encoded.items()},
         "prefix_cache_queries_total": {n: p.queries for n, p in pools.items()},
         "prefix_cache_hits_total": {n: p.hits for n, p in pools.items()},
         "encoder_cache_hits_total": core.encoder_cache.hits,

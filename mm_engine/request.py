@@ -30,6 +30,7 @@ class ImageSpan:
     grid: tuple[int, ...] | None = None  # the family's patch grid, where it has one (Qwen: t, h, w)
     temporal_step: float = 1.0  # M-RoPE time positions per temporal patch (a video's; models/interface.py)
     video: bool = False  # a clip's frames rather than an image
+    time_offset: int = 0  # a clip's group of temporal patches: its first patch within the clip
 
     def __post_init__(self) -> None:
         if self.num_embeds < 0:

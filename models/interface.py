@@ -35,6 +35,9 @@ class ProcessedImage:
     # M-RoPE time positions per temporal patch of a video (Qwen2.5-VL: tokens per second x
     # seconds per patch); 1 for images and for families that count patches.
     temporal_step: float = 1.0
+    # A clip encoded in groups of temporal patches: this group's first patch within its clip (a
+    # group after the first continues the clip's positions, models/mrope.py).
+    time_offset: int = 0
 
 
 class Processing:
@@ -56,8 +59,13 @@ class Processing:
         min_frames, max_frames) over the server's."""
         raise ValueError(f"{type(self).__name__.removesuffix('Processing')} does not read video")
 
-    def process_video(self, video: Video, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
-        """One sampled clip -> its run of video tokens and the tower's input (frames as patches)."""
+    def process_video(
+        self, video: Video, overrides: Mapping[str, Any] | None = None, group_tokens: int | None = None
+    ) -> list[ProcessedImage]:
+        """One sampled clip -> its run of video tokens and the tower's input (frames as patches),
+        in groups of whole temporal patches of at most `group_tokens` tokens each where the
+        family's tower encodes each temporal patch on its own (so that one step need not encode a
+        long clip whole); the runs are consecutive in the prompt."""
         raise ValueError(f"{type(self).__name__.removesuffix('Processing')} does not read video")
 
     def process_images(

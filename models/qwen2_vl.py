@@ -146,28 +146,39 @@ class QwenProcessing(Processing):
         value = (options or {}).get("max_video_tokens")
         return default if value is None else positive_option("max_video_tokens", value)
 
-    def process_video(self, video: Video, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
+    def process_video(
+        self, video: Video, overrides: Mapping[str, Any] | None = None, group_tokens: int | None = None
+    ) -> list[ProcessedImage]:
         """The video processor on the sampled frames, its per-frame pixels bounded by an even share
-        of `max_video_tokens` as Qwen's reference tooling does (`cap_pixels_per_frame`)."""
+        of `max_video_tokens` as Qwen's reference tooling does (`cap_pixels_per_frame`). The
+        tower attends within each temporal patch only, so a clip splits into groups of whole
+        patches that encode alone to the same features."""
         if self.video_hf is None:
-            return super().process_video(video, overrides)
+            return super().process_video(video, overrides, group_tokens)
         size = self._size(self.video_size, overrides)
         budget = self._video_tokens(self.max_video_tokens, overrides)
         out = self.video_hf(
             videos=[video.frames], size=size, do_sample_frames=False, cap_pixels_per_frame=True,
             max_video_tokens=budget, return_tensors="pt",
         )  # fmt: skip
-        grid = tuple(int(g) for g in out["video_grid_thw"][0])
-        n = grid[0] * grid[1] * grid[2] // self.merge**2
+        t, h, w = (int(g) for g in out["video_grid_thw"][0])
+        per_patch = h * w // self.merge**2  # tokens of one temporal patch
         step = 1.0
         if self.tokens_per_second is not None:  # as transformers computes it, in float32
             seconds = torch.tensor(self.video_hf.temporal_patch_size / video.sampled_fps, dtype=torch.float32)
             step = float(self.tokens_per_second * seconds)
         salt = f"{self._video_salt}|{size['shortest_edge']}:{size['longest_edge']}|{budget}|{step}".encode()
-        tokens = [self.video_token_id] * n
-        return ProcessedImage(
-            out["pixel_values_videos"], tokens, None, n, video_content_hash(video, salt), grid, step
-        )
+        digest = video_content_hash(video, salt)
+        size_of = max(1, (group_tokens or t * per_patch) // per_patch)  # temporal patches a group
+        pixels = out["pixel_values_videos"].view(t, h * w, -1)
+        groups = []
+        for first in range(0, t, size_of):
+            n = min(size_of, t - first)
+            key = digest if n == t else f"{digest}:{first}+{n}"
+            rows = pixels[first : first + n].reshape(n * h * w, -1)
+            tokens = [self.video_token_id] * (n * per_patch)
+            groups.append(ProcessedImage(rows, tokens, None, len(tokens), key, (n, h, w), step, first))
+        return groups
 
 
 def _route(key: str) -> tuple[str, str] | None:

@@ -57,6 +57,7 @@ class Frontend:
             max_prompt_chars=2 * self.max_model_len * max(longest, 1),
             grammars=Grammars.for_config(config, per_thread.get, hf_config.text_config.vocab_size),
             tool_format=tool_format_for(hf_config.model_type, template),
+            video_group_tokens=config.max_num_encoder_tokens or config.max_num_batched_tokens,
         )
         self.tokenizer = tokenizer  # the detokenizing thread's; the input processor has per-thread copies
         self.output = OutputProcessor(tokenizer)

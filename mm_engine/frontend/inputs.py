@@ -29,6 +29,7 @@ class InputProcessor:
         limits: ImageLimits | None = None,
         video_limits: VideoLimits | None = None,
         *,
+        video_group_tokens: int | None = None,
         max_prompt_chars: int | None = None,
         grammars: Grammars | None = None,
         tool_format: str | None = None,
@@ -43,6 +44,9 @@ class InputProcessor:
         self.chat_template = chat_template
         self.limits = limits or ImageLimits()
         self.video_limits = video_limits or VideoLimits()
+        # A clip's tokens encoded per step at most (the engine's per-step encoder budget): a long
+        # clip is encoded over several steps instead of stalling one (None: whole).
+        self.video_group_tokens = video_group_tokens
         self.max_prompt_chars = max_prompt_chars
         self.grammars = grammars
         self.tool_format = tool_format
@@ -132,35 +136,38 @@ class InputProcessor:
                 )
         pils = [self._load(img, i) for i, img in enumerate(images)]
         processed = iter(self._process(pils, overrides))
-        clips = iter([(self._video(v, i, overrides), True) for i, v in enumerate(videos)])
+        clips = iter([self._video(v, i, overrides) for i, v in enumerate(videos)])
         out: list[int] = []
         spans: list[ImageSpan] = []
         for tok in ids:
             if tok == self.image_token_id:
-                item, video = next(processed), False
+                items, video = [next(processed)], False
             elif video_id is not None and tok == video_id:
-                item, video = next(clips)
+                items, video = next(clips), True  # a clip's groups, one run after another
             else:
                 out.append(tok)
                 continue
-            spans.append(
-                ImageSpan(
-                    offset=len(out),
-                    length=len(item.tokens),
-                    pixel_values=item.pixel_values,
-                    content_hash=item.content_hash,
-                    embed_mask=item.embed_mask,
-                    num_embeds=item.num_embeds,
-                    grid=item.grid,
-                    temporal_step=item.temporal_step,
-                    video=video,
+            for item in items:
+                spans.append(
+                    ImageSpan(
+                        offset=len(out),
+                        length=len(item.tokens),
+                        pixel_values=item.pixel_values,
+                        content_hash=item.content_hash,
+                        embed_mask=item.embed_mask,
+                        num_embeds=item.num_embeds,
+                        grid=item.grid,
+                        temporal_step=item.temporal_step,
+                        video=video,
+                        time_offset=item.time_offset,
+                    )
                 )
-            )
-            out.extend(item.tokens)
+                out.extend(item.tokens)
         return out, spans
 
-    def _video(self, video: Any, index: int, overrides: Mapping[str, Any] | None) -> ProcessedImage:
-        """Decode, sample and process one clip; an error names it."""
+    def _video(self, video: Any, index: int, overrides: Mapping[str, Any] | None) -> list[ProcessedImage]:
+        """Decode, sample and process one clip (in groups of at most `video_group_tokens` where the
+        family can split it); an error names it."""
         sampling = self.processing.video_sampling(overrides)
         if isinstance(video, str):
             if not video.startswith("data:"):
@@ -171,7 +178,7 @@ class InputProcessor:
                 raise VideoError(f"video {index}: {exc}") from None
         clip = load_video(video, sampling, self.video_limits, name=f"video {index}")
         try:
-            return self.processing.process_video(clip, overrides)
+            return self.processing.process_video(clip, overrides, self.video_group_tokens)
         except VideoError:
             raise
         except ValueError as exc:

@@ -97,7 +97,8 @@ class Captioner:
         else:
             raise ValueError(f"this model has no chat template: the prompt must contain {placeholder}")
         if ids.count(token_id) != 1:
-            raise ValueError(f"the prompt must contain exactly one placeholder {placeholder}")
+            kind = "video" if video else "image"
+            raise ValueError(f"the prompt must contain exactly one {kind} placeholder {placeholder}")
         if len(self._prompts) >= 1024:  # many distinct manifest prompts: keep the cache bounded
             self._prompts.clear()
         self._prompts[prompt, video] = (text, ids)

@@ -174,3 +174,20 @@ def test_chat_with_an_allowed_remote_image_equals_the_same_image_inline(clip_lla
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "messages[0].content[0].image_url"
     assert "private or loopback" in refused.json()["error"]["message"]
+
+
+def test_a_video_fetch_has_its_own_cap_and_names_itself():
+    async def run(url: str, max_bytes: int) -> bytes:
+        f = fetcher(max_bytes=100)  # the image cap: a video fetch brings its own
+        try:
+            return await f.fetch(url, "video", max_bytes)
+        finally:
+            await f.aclose()
+
+    assert asyncio.run(run("http://img.example.com/big.png", 8000)) == b"\0" * 5000
+    with pytest.raises(MediaError, match="the remote video is larger than the limit of 1000 bytes"):
+        asyncio.run(run("http://img.example.com/big.png", 1000))
+    with pytest.raises(MediaError, match="fetching videos from host 'other.test' is not allowed"):
+        asyncio.run(run("http://other.test/clip.mp4", 8000))
+    with pytest.raises(MediaError, match="the video URL's host resolves to a private"):
+        asyncio.run(run("http://inside.example.com/clip.mp4", 8000))

@@ -12,6 +12,7 @@ import re
 import pytest
 from litestar.testing import TestClient
 
+from helpers.api import metric
 from helpers.families import greedy
 from helpers.video import clip, long_clip, mp4, png_bytes
 from mm_engine import LLM
@@ -62,6 +63,7 @@ def test_a_clip_as_video_url_and_as_an_upload_answers_as_the_python_api(served, 
         add_generation_prompt=True,
     )
     want = offline.generate([{"prompt": text, "multi_modal_data": {"video": video}}], [greedy(6)])[0]
+    offline_spans = offline.engine.inputs.process({"prompt": text, "multi_modal_data": {"video": video}})
     offline.close()
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     r = chat(http, url)
@@ -75,6 +77,11 @@ def test_a_clip_as_video_url_and_as_an_upload_answers_as_the_python_api(served, 
     )
     assert r.status_code == 200, r.text
     assert r.json()["text"] == want.outputs[0].text
+    _, _, spans = offline_spans
+    metrics = http.get("/metrics").text
+    # The clip's groups were encoded once, for the chat request: the upload hit the encoder cache.
+    assert metric(metrics, "mm_engine:encoded_inputs_total", modality="video") == len(spans)
+    assert metric(metrics, "mm_engine:encoded_tokens_total", modality="video") == sum(s.length for s in spans)
 
 
 @pytest.mark.parametrize(

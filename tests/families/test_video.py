@@ -6,6 +6,7 @@ trips through decoding; families that do not read video refuse it by name."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,11 @@ def test_an_mp4_clip_is_sampled_and_equals_transformers_on_its_frames(vl_family)
     again = llm.generate([{"prompt": text, "multi_modal_data": {"video": data}}], [greedy(8)])[0]
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
     assert again.num_cached_tokens > 0
+    encoded = llm.kv_report()["encoded"]["video"]
+    _, _, spans = llm.engine.inputs.process({"prompt": text, "multi_modal_data": {"video": data}})
+    assert len(spans) > 1  # the clip's tokens in groups of at most the step budget (16)
+    assert encoded["inputs"] == len(spans)  # each group encoded once: the repeat hit the cache
+    assert encoded["tokens"] == sum(s.length for s in spans)
     llm.close()
 
 
@@ -110,8 +116,9 @@ def test_sampling_options_per_request(vl_family):
     def video_tokens(options: dict) -> int:
         req = {"prompt": text, "multi_modal_data": {"video": data}, "mm_processor_kwargs": options}
         _, _, spans = llm.engine.inputs.process(req)
-        assert spans[0].video and spans[0].grid[0] * 2 <= 24
-        return spans[0].grid[0]
+        offsets = list(itertools.accumulate([0] + [s.grid[0] for s in spans[:-1]]))
+        assert all(s.video for s in spans) and [s.time_offset for s in spans] == offsets
+        return sum(s.grid[0] for s in spans)  # a clip in groups of whole temporal patches
 
     assert video_tokens({}) == 3  # 3 s at 2 fps: 6 frames, 3 temporal patches
     assert video_tokens({"fps": 4}) == 6
@@ -186,3 +193,24 @@ def test_a_captioning_job_takes_clips_beside_images(vl_family, tmp_path):
     assert records["a.mp4"]["prompt_tokens"] == len(want.prompt_token_ids)
     assert_all_free(llm)
     llm.close()
+
+
+def test_bench_offline_video_workload(vl_family, monkeypatch):
+    from bench import offline
+
+    monkeypatch.setenv("MM_ENGINE_BENCH_IN_PROCESS", "1")  # its runs without a spawn each
+    path, _ = vl_family("qwen2_5_vl")
+    res = offline.main(
+        ["--model", path, "--workload", "video", "--num-images", "3", "--hf-batch-size", "3", "--check", "3",
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--rate-sizes", "128"]
+    )  # fmt: skip
+    assert res["tokens_identical"] == "3/3" and res["workload"] == "video"
+
+
+def test_bench_video_ttft_runs(vl_family):
+    from bench import video_ttft
+
+    path, _ = vl_family("qwen2_5_vl")
+    res = video_ttft.main(["--model", path, "--seconds", "2", "--fps", "2", "--runs", "1", "--threads", "1"])
+    (row,) = res["runs"]
+    assert row["frames"] == 4 and row["video_tokens"] > 0 and res["ttft_s_median"] > 0
