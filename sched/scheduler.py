@@ -165,6 +165,9 @@ class Scheduler:
             timed = max(self.blocks.block_size, timed)
             cap = timed if cap is None else min(cap, timed)
             enc = enc if timed_enc is None else timed_enc
+            # Encoding is weighed against the time left even where the token cap does not bind:
+            # one image still goes, or an image request would wait as long as anything decodes.
+            p.one_image_free = p.encode_weight > 0.0
         if cap is not None and cap < p.budget:
             p.budget, p.encoder_left, p.one_image_free = cap, min(p.encoder_left, cap, enc), True
 

@@ -86,12 +86,15 @@ def test_one_hand_over_per_step_and_a_slow_consumer_gets_the_rest_merged(clip_ll
             await llm.shutdown()
 
     (cumulative, delta, final), hand_overs = asyncio.run(scenario())  # in RequestOutputKind order
-    assert len(delta) == 2 and len(cumulative) == 2 and len(final) == 1  # the rest came merged
-    assert delta[0].outputs[0].token_ids + delta[1].outputs[0].token_ids == ids
-    assert delta[0].outputs[0].text + delta[1].outputs[0].text == text
-    assert delta[1].delta_text == delta[1].outputs[0].text and delta[1].finished
-    assert cumulative[1].outputs[0].token_ids == ids and cumulative[1].outputs[0].text == text
-    assert cumulative[1].delta_text == text[len(cumulative[0].outputs[0].text) :]
+    # The first output, then the rest merged into one. (On a loaded machine the engine may finish
+    # a request before its consumer first wakes: then the first output is already all of it.)
+    assert 1 <= len(delta) <= 2 and 1 <= len(cumulative) <= 2 and len(final) == 1
+    assert [t for o in delta for t in o.outputs[0].token_ids] == ids
+    assert "".join(o.outputs[0].text for o in delta) == text
+    assert delta[-1].delta_text == delta[-1].outputs[0].text and delta[-1].finished
+    assert cumulative[-1].outputs[0].token_ids == ids and cumulative[-1].outputs[0].text == text
+    before = cumulative[0].outputs[0].text if len(cumulative) == 2 else ""
+    assert cumulative[-1].delta_text == text[len(before) :]
     assert final[0].outputs[0].token_ids == ids and final[0].outputs[0].text == text
     # Three streams decoded together: one hand-over per step that had outputs, not one per output.
     with_outputs = sum(1 for n in steps if n)

@@ -292,6 +292,41 @@ def _state_value(req: Request, p: int) -> float:
 
 
 TestScheduler = SchedulerMachine.TestCase
+# derandomize: the same examples every run (a test is deterministic); the seeds tried once found
+# the case below, kept as its own test.
 TestScheduler.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)  # fmt: skip
+
+
+def test_a_starved_image_request_goes_beside_decodes_in_a_time_bounded_step():
+    """Steps bounded in time (factor 3): a waiting image request aged to the top was held back
+    while one text request decoded, step after step, because its encoding did not fit the time
+    left and the one-image-always-goes rule applied only where the token cap bound."""
+    state = SchedulerMachine()
+
+    def check() -> None:
+        state.blocks_add_up()
+        state.kv_slots_hold_what_was_computed()
+        state.nothing_leaks_when_idle()
+        state.snapshots_name_cached_blocks()
+
+    state.setup(
+        mode="recompute", n_text=8, n_image=4, max_seqs=2, budget=8, cap=None, snapshots=None, factor=3.0
+    )
+    check()
+    state.arrive(image_seed=0, max_tokens=1, n_images=1, priority=0, words=[1])
+    for _ in range(6):
+        state.step(dt=0.5)
+        check()
+    state.arrive(image_seed=1, max_tokens=1, n_images=2, priority=0, words=[1])
+    state.step(dt=0.5)
+    state.arrive(image_seed=0, max_tokens=2, n_images=0, priority=0, words=[1])
+    state.step(dt=0.5)
+    check()
+    state.arrive(image_seed=0, max_tokens=1, n_images=1, priority=0, words=[1])
+    state.step(dt=3.0)
+    check()
+    state.step(dt=3.0)  # the image request, starved by now, goes beside the decode
+    state.teardown()
