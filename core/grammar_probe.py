@@ -41,9 +41,10 @@ class GrammarProbe:
         """Return once the spec compiles within the deadline and the memory cap; else ValueError."""
         _CHILD.trial(self, kind, text)
 
-    def stop(self) -> None:
-        """Stop the trial under way, if it is this probe's (its caller gets a ValueError)."""
-        _CHILD.stop(self)
+    def stop(self, text: str) -> None:
+        """Stop the trial of `text` under way, or about to start, if it is this probe's (its
+        caller gets a ValueError)."""
+        _CHILD.stop(self, text)
 
     @staticmethod
     def start_allowance() -> float:
@@ -63,16 +64,25 @@ class _Child:
         self._known: set[str] = set()  # vocabularies the child has a compiler for
         self._owner: GrammarProbe | None = None  # whose trial runs now
         self._stopped = False
+        self._pending: tuple[GrammarProbe, str] | None = None  # a stop before its trial began
 
     def trial(self, probe: GrammarProbe, kind: str, text: str) -> None:
         with self._turn:
+            with self._guard:  # a stop that came while the child was still starting
+                early = self._pending == (probe, text)
+                self._pending = None
+            if early:
+                raise ValueError(f"structured_outputs.{kind}: compile stopped, its every client left")
             proc = self._started(probe.memory_bytes)
             if probe.key not in self._known:
                 _send(proc, ("info", probe.key, probe.info))
                 self._known.add(probe.key)
             with self._guard:
-                self._owner, self._stopped = probe, False
+                self._owner, self._stopped = probe, self._pending == (probe, text)
+                self._pending = None
             try:
+                if self._stopped:  # stopped while its child started: no compile at all
+                    raise ValueError(f"structured_outputs.{kind}: compile stopped, its every client left")
                 _send(proc, ("compile", probe.key, kind, text))
                 reply = _receive(proc, probe.deadline_s)
             finally:
@@ -98,9 +108,10 @@ class _Child:
         with self._guard:
             return self._proc is not None and self._proc.poll() is None
 
-    def stop(self, probe: GrammarProbe) -> None:
+    def stop(self, probe: GrammarProbe, text: str) -> None:
         with self._guard:
             if self._owner is not probe:
+                self._pending = (probe, text)  # its trial has not reached the child yet
                 return
             self._stopped = True
             proc = self._proc

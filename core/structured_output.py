@@ -171,7 +171,7 @@ class Grammars:
             if drop:
                 future.cancel()  # outside the lock: its done-callbacks take it; a started one runs on
             elif stop and self._probe is not None:
-                self._probe.stop()  # its trial compile: the future fails, and is not cached
+                self._probe.stop(key[1])  # its trial compile: the future fails, and is not cached
 
     def _wait_s(self) -> float:
         """How long a waiter waits: the timeout, and the trial process's start while it has none."""
