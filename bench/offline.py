@@ -181,8 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     rate_sizes = tuple(
         int(n) for n in (args.rate_sizes or ("4096,8192" if gpu else "1024,2048,3072")).split(",")
     )
-    if args.num_images is None:
-        # Chat at 64 images is 256 long answers: transformers alone would take ~15 minutes here.
+    if args.num_images is None:  # chat at 64 images: ~15 minutes of transformers alone
         args.num_images = 64 if args.workload == "caption" else 16
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
