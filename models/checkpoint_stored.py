@@ -14,14 +14,35 @@ def split(
     state: dict, marker: str, read: Callable[[dict, str], QuantizedWeight]
 ) -> tuple[dict, dict[str, QuantizedWeight]]:
     """`state` with each stored-quantized layer (found by its `marker` key; `read(state, module)`
-    pops its tensors) replaced by its dequantized float32 weight, so that the module loads as
-    usual, and per module path (`layers.0.mlp.up_proj`) its weight as stored."""
+    pops its tensors) replaced by its dequantized float32 weight (`Dequantized`), so that the
+    module loads as usual, and per module path (`layers.0.mlp.up_proj`) its weight as stored."""
     out, stored = dict(state), {}
     for key in [k for k in state if k.endswith(marker)]:
         module = key[: -len(marker)]
         stored[module] = read(out, module)
-        out[f"{module}.weight"] = stored[module].dequantize()
+        out[f"{module}.weight"] = Dequantized(stored[module])
     return out, stored
+
+
+class Dequantized:
+    """A stored weight as the float32 weight it stands for, computed when read, like a checkpoint
+    reference (models/weights.py `WeightRef`): whole, or only a tensor-parallel shard."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.weight.q.shape)
+
+    def load(self) -> torch.Tensor:
+        return self.weight.dequantize()
+
+    def load_range(self, dim: int, start: int, end: int) -> torch.Tensor:
+        w = self.weight
+        return (w.rows(start, end) if dim == 0 else w.columns(start, end)).dequantize()
 
 
 def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from mm_engine.models.layers.moe import checkpoint_layout
 from mm_engine.models.platform import Platform, pack_model_linears, quantize_model_linears
 from mm_engine.parallel.group import TPGroup, check_divisible
 from mm_engine.parallel.shard import shard_state
+from mm_engine.parallel.shard_stored import shard_stored
 
 
 class WeightRef:
@@ -53,7 +54,7 @@ def read_weights(path: Path) -> dict[str, WeightRef]:
 
 
 def materialize(state: dict) -> dict[str, torch.Tensor]:
-    return {k: v.load() if isinstance(v, WeightRef) else v for k, v in state.items()}
+    return {k: v.load() if hasattr(v, "load") else v for k, v in state.items()}  # a WeightRef, or Dequantized
 
 
 def split_by_prefix(
@@ -115,8 +116,6 @@ def build_language_model(
     tie = "lm_head.weight" not in lm_state
     stored_format, stored = checkpoint_quant.read(text_config), {}
     if stored_format is not None:
-        if tp is not None:
-            raise ValueError("tensor parallelism over a checkpoint stored quantized is not supported yet")
         lm_state, stored = stored_format.split(lm_state)
     if getattr(text_config, "num_experts", 0):
         lm_state = checkpoint_layout(lm_state, text_config)
@@ -124,7 +123,10 @@ def build_language_model(
         check_divisible(text_config, tp.world)
     with torch.device(device):
         lm = lm_class(text_config, bias, tie, ops, mrope_streams, qk_norm, tp, dtype)
-    load_strict(lm, lm_state if tp is None else shard_state(lm_state, lm, tp), "language model")
+    if tp is not None:  # the stored weights first: a layer they cannot be split at is named
+        stored = shard_stored(stored, lm, tp)
+        lm_state = shard_state(lm_state, lm, tp)
+    load_strict(lm, lm_state, "language model")
     checkpoint_quant.attach(lm, stored)
     lm.fuse_projections()
     return lm

@@ -25,7 +25,8 @@ integer kernel (kernels/cpu_qgemm_a8.py) rounds the input itself and multiplies 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -68,10 +69,41 @@ class QuantizedWeight:
             return values
         return torch.empty_like(values).index_copy_(1, self.perm, values)
 
+    def rows(self, start: int, end: int) -> QuantizedWeight:
+        """Output rows [start, end) (a column-parallel shard)."""
+        return replace(self, q=self.q[start:end], scales=_cut_rows(self.scales, start, end),
+                       zeros=_cut_rows(self.zeros, start, end))  # fmt: skip
+
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """Input columns [start, end) (a row-parallel shard), each with its group's scale and zero
+        point: the part's groups are gcd(width, group) wide, so none straddles two of the whole's."""
+        if self.perm is not None:
+            raise ValueError("its inputs are stored in act-order (GPTQ desc_act): a group gathers inputs "
+                             "from the whole row, so a range of inputs has no groups of its own")  # fmt: skip
+        width = end - start
+        group = width if self.scales is None else math.gcd(width, self.group)
+        if self.scales is not None and (start % group or (self.kind == "int4" and group % 2)):
+            raise ValueError(f"inputs {start}..{end} do not fit its groups of {self.group}")
+        which = torch.arange(start, end, group) // self.group  # the whole's group of each part group
+        scales = None if self.scales is None else self.scales[:, which].contiguous()
+        zeros = None if self.zeros is None else self.zeros[:, which].contiguous()
+        return replace(self, q=self.q[:, start:end].contiguous(), scales=scales, zeros=zeros, group=group)
+
+    def padded_rows(self, n: int) -> QuantizedWeight:
+        """`n` rows, the added ones zero (values and scales 0): a vocabulary's even share."""
+        extra = n - self.q.shape[0]
+        pad = [None if t is None else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+               for t in (self.q, self.scales, self.zeros)]  # fmt: skip
+        return replace(self, q=pad[0], scales=pad[1], zeros=pad[2])
+
     def to(self, device: torch.device) -> QuantizedWeight:
         moved = (None if t is None else t.to(device) for t in (self.q, self.scales, self.zeros))
         perm, act_scale = (None if t is None else t.to(device) for t in (self.perm, self.act_scale))
         return QuantizedWeight(self.kind, *moved, self.group, perm, self.act, act_scale)
+
+
+def _cut_rows(t: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if t is None else t[start:end]
 
 
 def concat_weights(parts: list[QuantizedWeight]) -> QuantizedWeight:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from helpers.families import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
+from helpers.fp8 import fp8_checkpoint
 from helpers.images import make_image
 from helpers.reference import FamilyReference
 from mm_engine import LLM
@@ -158,39 +159,25 @@ def test_a_checkpoint_stored_quantized_is_refused_by_its_method(vl_family, tmp_p
         LLM(str(copy))
 
 
-def fp8_checkpoint(path: str, out) -> tuple[str, str]:
-    """The checkpoint at `path` stored as transformers' fine-grained FP8 (each language-model
-    projection in e4m3 with a float32 scale per 128 x 128 block), and the same checkpoint with
-    those weights at their dequantized values: (fp8 copy, full-precision twin)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    fp8, twin = shutil.copytree(path, out / "fp8"), shutil.copytree(path, out / "twin")
-    state = load_file(str(fp8 / "model.safetensors"))
-    stored, plain = {}, {}
-    for key, w in state.items():
-        vision = any(v in key for v in ("visual", "vision", "merger", "projector"))
-        if key.endswith("_proj.weight") and w.dim() == 2 and not vision:
-            n, k = w.shape
-            blocks = torch.nn.functional.pad(w, (0, -k % 128, 0, -n % 128)).view(
-                -(-n // 128), 128, -(-k // 128), 128
-            )
-            scale = blocks.abs().amax(dim=(1, 3)) / 448
-            q = (w / scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(
-                torch.float8_e4m3fn
-            )
-            stored[key], stored[key.replace(".weight", ".weight_scale_inv")] = q, scale
-            plain[key] = q.float() * scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-        else:
-            stored[key] = plain[key] = w
-    save_file(stored, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
-    save_file(plain, str(twin / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8 / "config.json").read_text())
-    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": block}))
-    return str(fp8), str(twin)
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8", "bf16"])
+def test_a_stored_weight_cut_by_rows_or_inputs_keeps_each_values_scale(kind):
+    """A tensor-parallel share of a stored weight (parallel/shard_stored.py) stands for the same
+    part of the same float weight: input ranges that cut a group take narrower groups, and the
+    vocabulary's padding rows are zero."""
+    whole = quantize(torch.randn(24, 96, generator=torch.Generator().manual_seed(1)), kind, 32)
+    if kind == "int4":  # asymmetric: a zero point per group
+        whole.zeros = torch.randint(
+            0, 16, whole.scales.shape, generator=torch.Generator().manual_seed(2)
+        ).float()
+    dense = whole.dequantize()
+    for start, end in ((0, 48), (48, 96), (16, 40)):  # the last: groups of gcd(24, 32) = 8
+        assert torch.equal(whole.columns(start, end).dequantize(), dense[:, start:end])
+    assert torch.equal(whole.rows(5, 17).dequantize(), dense[5:17])
+    padded = whole.rows(20, 24).padded_rows(8).dequantize()
+    assert torch.equal(padded[:4], dense[20:]) and not padded[4:].any()
+    whole.perm = torch.randperm(96, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="act-order"):
+        whole.columns(0, 48)
 
 
 @pytest.mark.parametrize(
@@ -320,7 +307,7 @@ def test_the_gptq_loader_reads_what_a_per_element_reading_does(bits, group, symm
     state, stored = Gptq(bits, 1).split({f"m.{name}": t for name, t in tensors.items()})
     reference = gptq_per_element(tensors, bits)
     assert torch.equal(reference, meant) and torch.equal(stored["m"].dequantize(), reference)
-    assert set(state) == {"m.weight"} and torch.equal(state["m.weight"], reference)
+    assert set(state) == {"m.weight"} and torch.equal(state["m.weight"].load(), reference)
     assert stored["m"].kind == f"int{bits}" and (stored["m"].zeros is None) == symmetric
     assert (stored["m"].perm is None) == (not act_order)
 

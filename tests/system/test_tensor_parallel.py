@@ -323,3 +323,55 @@ def test_quantized_weights_split_over_two_ranks(vl_family):
         ValueError, match="quantization groups of 128 inputs do not fit o_proj.s shard of 64 under"
     ):
         LLM(path, tensor_parallel_size=2, **{**kw, "quantization": "int4"})
+
+
+@pytest.mark.parametrize(
+    ("family", "stored"),
+    [("qwen3_5", "gptq"), ("qwen2_vl", "awq"), ("qwen2_vl", "fp8")],
+)
+def test_a_checkpoint_stored_quantized_splits_over_two_ranks_as_stored(vl_family, tmp_path, family, stored):
+    """Each rank reads its share of the stored values, scales and zero points (nothing rounded
+    again) and the two give the tokens transformers gives on the dequantized twin. Qwen3.5 with
+    GPTQ: the linear attention's q | k | v projection cut in three; FP8: 128-wide blocks whose
+    row-parallel shares are 64 wide."""
+    from helpers.fp8 import fp8_checkpoint
+    from helpers.gptq_awq import awq_checkpoint, gptq_checkpoint
+    from helpers.reference import FamilyReference
+    from mm_engine.models.layers.quant_linear import QuantLinear
+
+    path, _ = vl_family(family)
+    if stored == "gptq":
+        packed, twin = gptq_checkpoint(path, tmp_path, bits=4, group=32, symmetric=False, act_order=None)
+    elif stored == "awq":
+        packed, twin = awq_checkpoint(path, tmp_path, group=32)
+    else:
+        packed, twin = fp8_checkpoint(path, tmp_path)
+    ref = FamilyReference(twin)
+    two = [make_image(3, (40, 60)), make_image(4, (64, 32))]
+    cases = [
+        (family_prompt(family, "describe both", 2), two, 6),
+        (family_prompt(family, "hello there", 0), [], 6),
+    ]
+    llm = LLM(packed, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, block_size=8,
+              max_num_batched_tokens=16)  # fmt: skip
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n), text
+        lm = llm.engine.core.model.language_model
+        layers = [m for m in lm.modules() if isinstance(m, QuantLinear)]
+        kind = "fp8" if stored == "fp8" else "int4"
+        assert layers and {(m.kind, m.panels is not None) for m in layers} == {(kind, True)}
+        if stored == "fp8":  # o_proj's 128 inputs, one block wide, split in two
+            assert lm.layers[0].self_attn.o_proj.panels.group == 64
+    finally:
+        llm.close()
+
+
+def test_a_checkpoint_in_act_order_is_refused_where_its_inputs_would_be_split(vl_family, tmp_path):
+    from helpers.gptq_awq import gptq_checkpoint
+
+    path, _ = vl_family("qwen2_vl")
+    packed, _ = gptq_checkpoint(path, tmp_path, bits=4, group=32, symmetric=True, act_order="shared")
+    with pytest.raises(ValueError, match=r"proj cannot be split over tensor_parallel_size 2: .*act-order"):
+        LLM(packed, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2)
