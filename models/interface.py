@@ -38,6 +38,10 @@ class ProcessedImage:
     # A clip encoded in groups of temporal patches: this group's first patch within its clip (a
     # group after the first continues the clip's positions, models/mrope.py).
     time_offset: int = 0
+    # Text tokens the prompt gets around this run (Qwen3-VL: a frame's `<t seconds><|vision_start|>`
+    # before it and `<|vision_end|>` after): plain text, with text positions.
+    text_before: tuple[int, ...] = ()
+    text_after: tuple[int, ...] = ()
 
 
 class Processing:
@@ -50,6 +54,9 @@ class Processing:
 
     video_token: str | None = None  # the placeholder a prompt writes once per video (None: no video)
     video_token_id: int | None = None
+    # (start, end) token ids whose pair around the video placeholder the prompt's expansion drops,
+    # since each frame's run brings its own (Qwen3-VL); None: the placeholder is replaced alone.
+    video_wrapper: tuple[int, int] | None = None
 
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
         raise NotImplementedError

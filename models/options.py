@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,4 @@ def frame_sampling(base: FrameSampling, options: Mapping[str, Any] | None) -> Fr
         fields["fps"] = None
     elif "fps" in fields and "num_frames" not in fields:
         fields["num_frames"] = None
-    merged = dict(fps=base.fps, num_frames=base.num_frames, min_frames=base.min_frames,
-                  max_frames=base.max_frames, factor=base.factor) | fields  # fmt: skip
-    return FrameSampling(**merged)
+    return dataclasses.replace(base, **fields)

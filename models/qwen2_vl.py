@@ -47,7 +47,10 @@ from mm_engine.vision.video_io import FrameSampling, Video, video_content_hash
 # pixels per image and per video frame, then a video's sampling and its token budget.
 PIXEL_OPTIONS = ("min_pixels", "max_pixels")
 OPTIONS = (*PIXEL_OPTIONS, *SAMPLING_OPTIONS, "max_video_tokens")
-VIDEO_VERSIONS = ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL's timestamps between frames: not yet
+VIDEO_VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# Qwen3-VL and Qwen3.5 write each temporal patch as `<t seconds><|vision_start|>` + its tokens +
+# `<|vision_end|>` (the time in text, the patch at time position 0), sampled by their own rule.
+TIMESTAMP_VERSIONS = VIDEO_VERSIONS[2:]
 DEFAULT_FPS = 2.0  # what Qwen's own tooling samples at
 VERSION_NAMES = {
     "qwen3_vl": "Qwen3-VL",
@@ -95,7 +98,12 @@ class QwenProcessing(Processing):
         self.video_size = self._size(
             {"shortest_edge": hf.size.shortest_edge, "longest_edge": hf.size.longest_edge}, kwargs
         )
-        base = FrameSampling(DEFAULT_FPS, None, hf.min_frames, hf.max_frames, hf.temporal_patch_size)
+        self.timestamps = config.model_type in TIMESTAMP_VERSIONS
+        if self.timestamps:
+            self.video_wrapper = (config.vision_start_token_id, config.vision_end_token_id)
+            self._tokenizer = tokenizer
+        base = FrameSampling(DEFAULT_FPS, None, hf.min_frames, hf.max_frames, hf.temporal_patch_size,
+                             linspace=self.timestamps)  # fmt: skip
         self.sampling = frame_sampling(base, kwargs)
         self.max_video_tokens = self._video_tokens(hf.max_video_tokens, kwargs)
         # Qwen2.5-VL spaces a video's M-RoPE time positions by seconds; Qwen2-VL counts patches.
@@ -138,7 +146,9 @@ class QwenProcessing(Processing):
     def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
         if self.video_hf is None:
             name = VERSION_NAMES.get(self.model_type, self.model_type)
-            raise ValueError(f"{name} video is not supported yet (Qwen2-VL and Qwen2.5-VL read video)")
+            raise ValueError(
+                f"this {name} checkpoint has no video placeholder (video_token_id) to read video with"
+            )
         return frame_sampling(self.sampling, overrides)
 
     @staticmethod
@@ -169,8 +179,10 @@ class QwenProcessing(Processing):
             step = float(self.tokens_per_second * seconds)
         salt = f"{self._video_salt}|{size['shortest_edge']}:{size['longest_edge']}|{budget}|{step}".encode()
         digest = video_content_hash(video, salt)
-        size_of = max(1, (group_tokens or t * per_patch) // per_patch)  # temporal patches a group
         pixels = out["pixel_values_videos"].view(t, h * w, -1)
+        if self.timestamps:
+            return self._frames(video, pixels, (h, w), digest)
+        size_of = max(1, (group_tokens or t * per_patch) // per_patch)  # temporal patches a group
         groups = []
         for first in range(0, t, size_of):
             n = min(size_of, t - first)
@@ -179,6 +191,24 @@ class QwenProcessing(Processing):
             tokens = [self.video_token_id] * (n * per_patch)
             groups.append(ProcessedImage(rows, tokens, None, len(tokens), key, (n, h, w), step, first))
         return groups
+
+    def _frames(
+        self, video: Video, pixels: torch.Tensor, hw: tuple[int, int], digest: str
+    ) -> list[ProcessedImage]:
+        """Qwen3-VL's clip: each temporal patch a run of its own, at the middle of its frames'
+        times in seconds (transformers' `_calculate_timestamps`), between its own start and end."""
+        patch = self.video_hf.temporal_patch_size
+        indices = list(video.indices) + [video.indices[-1]] * (-len(video.indices) % patch)
+        times = [i / video.fps for i in indices]
+        start, end = self.video_wrapper
+        runs = []
+        for k in range(pixels.shape[0]):
+            seconds = (times[k * patch] + times[k * patch + patch - 1]) / 2
+            stamp = self._tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"]
+            tokens = [self.video_token_id] * (hw[0] * hw[1] // self.merge**2)
+            runs.append(ProcessedImage(pixels[k], tokens, None, len(tokens), f"{digest}:{k}", (1, *hw),
+                                       text_before=(*stamp, start), text_after=(end,)))  # fmt: skip
+        return runs
 
 
 def _route(key: str) -> tuple[str, str] | None:

@@ -9,7 +9,8 @@ when that is further than `SEEK_GAP` seconds ahead, instead of decoding the whol
 
 Sampling follows transformers' video processors (`sample_frames`): at `fps` frames per second,
 at least `min_frames` and at most `max_frames`, a multiple of `factor` (the tower's temporal
-patch), spread evenly over the clip; or exactly `num_frames`.
+patch), spread evenly over the clip; or exactly `num_frames`. Qwen3-VL's rule (`linspace`) takes
+any count (its processor pads the last temporal patch) from the first frame to the last.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class FrameSampling:
     min_frames: int = 4
     max_frames: int = 768
     factor: int = 2  # frame counts are rounded down to a multiple of this
+    linspace: bool = False  # Qwen3-VL's rule (module docstring): no rounding, first to last frame
 
     def __post_init__(self) -> None:
         if self.fps is not None and self.num_frames is not None:
@@ -94,6 +96,8 @@ class ClipInfo:
 
 def sample_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
     """The source frames to take from a clip of `total` frames at `fps` (module docstring)."""
+    if sampling.linspace:
+        return _linspace_indices(total, fps, sampling)
     factor = sampling.factor
     if sampling.num_frames is not None:
         n = max(factor, round(sampling.num_frames / factor) * factor)
@@ -105,6 +109,15 @@ def sample_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]
     if n > total:
         raise VideoError(f"num_frames={n} is more than the clip's {total} frames")
     return torch.arange(0, total, total / n).int().tolist()[:n]
+
+
+def _linspace_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
+    n = sampling.num_frames
+    if n is None:
+        n = min(max(int(total / fps * sampling.fps), sampling.min_frames), sampling.max_frames, total)
+    if n > total:
+        raise VideoError(f"num_frames={n} is more than the clip's {total} frames")
+    return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
 
 def probe(data: bytes | Path, limits: VideoLimits) -> ClipInfo:

@@ -139,7 +139,10 @@ class InputProcessor:
         clips = iter([self._video(v, i, overrides) for i, v in enumerate(videos)])
         out: list[int] = []
         spans: list[ImageSpan] = []
-        for tok in ids:
+        dropped = _wrappers(ids, video_id, self.processing.video_wrapper)
+        for i, tok in enumerate(ids):
+            if i in dropped:
+                continue
             if tok == self.image_token_id:
                 items, video = [next(processed)], False
             elif video_id is not None and tok == video_id:
@@ -148,6 +151,7 @@ class InputProcessor:
                 out.append(tok)
                 continue
             for item in items:
+                out.extend(item.text_before)
                 spans.append(
                     ImageSpan(
                         offset=len(out),
@@ -163,6 +167,7 @@ class InputProcessor:
                     )
                 )
                 out.extend(item.tokens)
+                out.extend(item.text_after)
         return out, spans
 
     def _video(self, video: Any, index: int, overrides: Mapping[str, Any] | None) -> list[ProcessedImage]:
@@ -270,3 +275,16 @@ def find_chat_template(model_dir: Path, tokenizer) -> str | None:
             if template:
                 return template
     return getattr(tokenizer, "chat_template", None)
+
+
+def _wrappers(ids: list[int], video_id: int | None, wrapper: tuple[int, int] | None) -> set[int]:
+    """Positions of the start and end tokens right around each video placeholder, which a family
+    whose frames bring their own (`Processing.video_wrapper`) drops, as its processor does."""
+    if wrapper is None or video_id is None:
+        return set()
+    start, end = wrapper
+    dropped = set()
+    for i in range(1, len(ids) - 1):
+        if ids[i] == video_id and ids[i - 1] == start and ids[i + 1] == end:
+            dropped |= {i - 1, i + 1}
+    return dropped

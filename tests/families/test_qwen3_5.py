@@ -116,10 +116,10 @@ def test_aborted_and_finished_requests_give_their_slots_back(hybrid):
     assert_all_free(llm)
 
 
-def test_video_placeholders_are_refused_by_name(hybrid):
+def test_a_video_placeholder_without_its_clip_is_refused_by_name(hybrid):
     path, _ = hybrid
     llm = engine(path, "torch")
-    with pytest.raises(ValueError, match="video placeholder .* Qwen3.5 video is not supported yet"):
+    with pytest.raises(ValueError, match=r"1 video placeholder\(s\) \(<\|video_pad\|>\) but 0 video"):
         llm.generate(mm("<|im_start|>user <|vision_start|><|video_pad|><|vision_end|> hi", []), greedy(2))
     assert llm.generate(mm(prompt("what is this"), []), greedy(2))[0].finished  # still serving
 

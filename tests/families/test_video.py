@@ -1,8 +1,9 @@
-"""Video through the engine (Qwen2-VL, Qwen2.5-VL): the same sampled frames through the engine and
-through transformers' processor and `generate` give equal greedy tokens (one clip, a clip and an
-image, two clips of different lengths and rates, text only, in one mixed batch, blocks of 8 and a
-step budget of 16 tokens that splits every clip), on every backend; a clip written to mp4 round
-trips through decoding; families that do not read video refuse it by name."""
+"""Video through the engine (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the same sampled frames
+through the engine and through transformers' processor and `generate` give equal greedy tokens
+(one clip, a clip and an image, two clips of different lengths and rates, text only, in one mixed
+batch, blocks of 8 and a step budget of 16 tokens that splits every clip), on every backend; a
+clip written to mp4 round trips through decoding; Qwen3-VL's sampling and timestamps are its
+processor's; families that do not read video refuse it by name."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def request(text: str, images: list, videos: list[tuple[torch.Tensor, float]]) -
     return {"prompt": text, "multi_modal_data": data}
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def family(request, vl_family):
     return vl_family(request.param)
 
@@ -131,9 +132,41 @@ def test_sampling_options_per_request(vl_family):
     llm.close()
 
 
+def test_qwen3_vl_samples_and_stamps_a_clip_as_its_processor_does(tmp_path):
+    """Qwen3-VL's own sampling (2 fps spread from the first frame to the last, any count: 7 of
+    42 frames here, the last repeated into a fourth temporal patch) and each patch's `<t seconds>`
+    between its start and end tokens: on a byte-level vocabulary, so that the times are spelled
+    out, against transformers' processor sampling the same decoded frames itself."""
+    from transformers.video_utils import VideoMetadata
+
+    from helpers.reference import FamilyReference
+    from mm_engine.testing.qwen import build_qwen_checkpoint
+
+    path = str(build_qwen_checkpoint(tmp_path / "qwen3_vl", "qwen3_vl", byte_level=True))
+    ref = FamilyReference(path)
+    data = mp4(clip(11, 42, (32, 48)), 12)
+    every = load_video(data, FrameSampling(fps=None, num_frames=42))  # the decoded frames, all
+    text = f"<|im_start|>user\n{VIDEO}what happens<|im_end|>\n<|im_start|>assistant\n"
+    llm = engine(path, "cpu")
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"video": data}}], [greedy(8)])[0]
+    meta = VideoMetadata(total_num_frames=42, fps=12.0)
+    opts = dict(video_metadata=[meta], do_sample_frames=True, fps=2, cap_pixels_per_frame=True)
+    kwargs = dict(videos=[every.frames], videos_kwargs=opts)
+    expected = ref.inputs(text, None, **kwargs)["input_ids"][0].tolist()
+    assert out.prompt_token_ids == expected
+    # Frames 0, 7 | 14, 20 | 27, 34 | 41 (repeated) of 12 per second: each patch at its middle.
+    stamps = [f"<{t} seconds><|vision_start|>" for t in ("0.3", "1.4", "2.5", "3.4")]
+    assert all(stamp in llm.engine.tokenizer.decode(expected) for stamp in stamps)
+    assert out.outputs[0].token_ids == ref.generate(text, None, 8, **kwargs)
+    _, _, spans = llm.engine.inputs.process({"prompt": text, "multi_modal_data": {"video": data}})
+    assert [s.grid[0] for s in spans] == [1] * 4 and all(s.video for s in spans)
+    assert_all_free(llm)
+    llm.close()
+
+
 @pytest.mark.parametrize(
     ("name", "refusal"),
-    [("qwen3_vl", "Qwen3-VL video is not supported yet"), ("llava_next", "does not read video")],
+    [("internvl", "does not read video"), ("llava_next", "does not read video")],
 )
 def test_families_that_do_not_read_video_refuse_it_by_name(vl_family, name, refusal):
     path, _ = vl_family(name)

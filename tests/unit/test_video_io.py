@@ -61,6 +61,22 @@ def test_sampling_equals_transformers(total, fps, want):
     )
 
 
+QWEN3_CASES = [(48, 12.0, {"fps": 2.0}), (300, 30.0, {"fps": 2.0}), (7, 24.0, {"fps": 2.0}),
+               (90, 30.0, {"fps": 4.5}), (90, 30.0, {"fps": None, "num_frames": 5})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("total", "fps", "options"), QWEN3_CASES)
+def test_qwen3_vl_sampling_is_its_processors(total, fps, options):
+    """Qwen3-VL's rule (`linspace`): any count, first frame to last, at least `min_frames`."""
+    from transformers import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    ours = sample_indices(total, fps, FrameSampling(**options, linspace=True))
+    meta = VideoMetadata(total_num_frames=total, fps=fps)
+    theirs = Qwen3VLVideoProcessor().sample_frames(meta, **{k: v for k, v in options.items() if v}).tolist()
+    assert ours == theirs
+
+
 def test_a_clip_shorter_than_a_temporal_patch_is_taken_whole():
     assert sample_indices(1, 30.0, FrameSampling()) == [0]
 
