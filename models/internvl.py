@@ -8,6 +8,11 @@ InternViT tower; the class token is dropped, a pixel shuffle folds 2x2 patches i
 `<IMG_CONTEXT>` becomes `<img>` + `<IMG_CONTEXT>` x (tiles x image_seq_length) + `</img>`; only the
 context tokens carry embeddings. The language model is Qwen2's or Llama's, with 1-D positions.
 
+Video (the prompt's `<video>`): each sampled frame is resized to one tile (the video processor's
+size, no tiling) and written as its processor writes it, `Frame1: <img>...</img>`, frames joined
+by a newline; each frame is a span of its own. Frames are sampled at the middle of n equal
+segments of the clip (InternVL's `initial_shift`), n = 8 unless `num_frames` or `fps` says.
+
 The tower is the engine's InternViT (layers/vit_tower.py), the projector transformers' module;
 the language model runs on the engine's paged layers.
 Weights: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`,
@@ -27,14 +32,16 @@ from PIL import Image
 from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.layers.vit_tower import VitTower, tower_state
 from mm_engine.models.llava import feature_layers
-from mm_engine.models.options import positive_option
+from mm_engine.models.options import SAMPLING_OPTIONS, frame_sampling, positive_option
 from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.models.weights import load_strict
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
+from mm_engine.vision.video_io import FrameSampling, Video, video_content_hash
 
 SUPPORTED_TEXT = ("llama", "qwen2", "qwen3", "mistral")
+DEFAULT_FRAMES = 8  # a clip's frames unless the request says (InternVL's own examples' count)
 # mm_processor_kwargs: transformers' names, and vLLM's for the same two settings.
 TILE_OPTIONS = {
     "min_patches": "min_patches",
@@ -70,15 +77,23 @@ class InternVLProcessing(Processing):
         defaults = {"min_patches": self.hf.min_patches, "max_patches": self.hf.max_patches}
         self.tiles = self._tiles(defaults, kwargs)
         self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
+        self.video_hf = getattr(hf, "video_processor", None)
+        video = getattr(hf, "video_token", None)
+        if self.video_hf is not None and video in tokenizer.get_vocab():
+            self.video_token, self.video_token_id = video, tokenizer.convert_tokens_to_ids(video)
+            self._tokenizer = tokenizer
+            self.sampling = frame_sampling(FrameSampling(None, DEFAULT_FRAMES, spread="centers"), kwargs)
+            self._video_salt = json.dumps(self.video_hf.to_dict(), sort_keys=True, default=str)
 
     @staticmethod
     def _tiles(base: dict[str, int], options: Mapping[str, Any] | None) -> dict[str, int]:
         out = dict(base)
         for key, value in (options or {}).items():
+            if key in SAMPLING_OPTIONS:
+                continue  # a video's: checked where videos are read
             if key not in TILE_OPTIONS:
-                raise ValueError(
-                    f"unknown mm_processor_kwargs option {key!r}; supported: {', '.join(TILE_OPTIONS)}"
-                )
+                known = ", ".join([*TILE_OPTIONS, *SAMPLING_OPTIONS])
+                raise ValueError(f"unknown mm_processor_kwargs option {key!r}; supported: {known}")
             value = positive_option(key, value)
             out[TILE_OPTIONS[key]] = value
         if out["min_patches"] > out["max_patches"]:
@@ -98,6 +113,30 @@ class InternVLProcessing(Processing):
             image, f"{self._salt}|{tiles['min_patches']}:{tiles['max_patches']}".encode()
         )
         return ProcessedImage(pixels, tokens, mask, n, digest)
+
+    def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
+        if self.video_token_id is None:
+            return super().video_sampling(overrides)
+        self._tiles(self.tiles, overrides)  # an unknown option is refused here too
+        return frame_sampling(self.sampling, overrides)
+
+    def process_video(
+        self, video: Video, overrides: Mapping[str, Any] | None = None, group_tokens: int | None = None
+    ) -> list[ProcessedImage]:
+        """Each frame one tile and a span of its own, between `FrameN: <img>` and `</img>`."""
+        if self.video_token_id is None:
+            return super().process_video(video, overrides, group_tokens)
+        pixels = self.video_hf(videos=[video.frames], do_sample_frames=False, return_tensors="pt")
+        frames = pixels["pixel_values_videos"][0]
+        digest = video_content_hash(video, self._video_salt.encode())
+        runs = []
+        for i in range(frames.shape[0]):
+            label = self._tokenizer(f"{chr(10) if i else ''}Frame{i + 1}: ", add_special_tokens=False)
+            tokens = [self.image_token_id] * self.seq_len
+            runs.append(ProcessedImage(frames[i : i + 1], tokens, None, self.seq_len, f"{digest}:{i}",
+                                       text_before=(*label["input_ids"], self.start_id),
+                                       text_after=(self.end_id,)))  # fmt: skip
+        return runs
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:

@@ -103,7 +103,7 @@ class QwenProcessing(Processing):
             self.video_wrapper = (config.vision_start_token_id, config.vision_end_token_id)
             self._tokenizer = tokenizer
         base = FrameSampling(DEFAULT_FPS, None, hf.min_frames, hf.max_frames, hf.temporal_patch_size,
-                             linspace=self.timestamps)  # fmt: skip
+                             spread="linspace" if self.timestamps else "even")  # fmt: skip
         self.sampling = frame_sampling(base, kwargs)
         self.max_video_tokens = self._video_tokens(hf.max_video_tokens, kwargs)
         # Qwen2.5-VL spaces a video's M-RoPE time positions by seconds; Qwen2-VL counts patches.

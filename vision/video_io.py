@@ -9,8 +9,10 @@ when that is further than `SEEK_GAP` seconds ahead, instead of decoding the whol
 
 Sampling follows transformers' video processors (`sample_frames`): at `fps` frames per second,
 at least `min_frames` and at most `max_frames`, a multiple of `factor` (the tower's temporal
-patch), spread evenly over the clip; or exactly `num_frames`. Qwen3-VL's rule (`linspace`) takes
-any count (its processor pads the last temporal patch) from the first frame to the last.
+patch), spread evenly over the clip; or exactly `num_frames`. Two families spread them their own
+way (`spread`): Qwen3-VL takes any count (its processor pads the last temporal patch) from the
+first frame to the last (`linspace`); InternVL takes the middle frame of each of n equal
+segments (`centers`, its `initial_shift`), with no minimum and no rounding.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class VideoLimits:
     max_decoded_bytes: int = 2 * 1024**3  # the sampled frames as RGB bytes
 
 
+SPREADS = ("even", "linspace", "centers")
+
+
 @dataclass(frozen=True, slots=True)
 class FrameSampling:
     """How many frames to take (module docstring): `num_frames` exactly, else at `fps`."""
@@ -55,7 +60,7 @@ class FrameSampling:
     min_frames: int = 4
     max_frames: int = 768
     factor: int = 2  # frame counts are rounded down to a multiple of this
-    linspace: bool = False  # Qwen3-VL's rule (module docstring): no rounding, first to last frame
+    spread: str = "even"  # "even", "linspace" (Qwen3-VL) or "centers" (InternVL): module docstring
 
     def __post_init__(self) -> None:
         if self.fps is not None and self.num_frames is not None:
@@ -64,6 +69,8 @@ class FrameSampling:
             value = getattr(self, name)
             if value is not None and not _positive(value):
                 raise VideoError(f"{name} must be a positive number, got {value!r}")
+        if self.spread not in SPREADS:
+            raise VideoError(f"spread must be one of {SPREADS}, got {self.spread!r}")
         if not 1 <= self.min_frames <= self.max_frames:
             raise VideoError(f"need 1 <= min_frames ({self.min_frames}) <= max_frames ({self.max_frames})")
 
@@ -96,8 +103,8 @@ class ClipInfo:
 
 def sample_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
     """The source frames to take from a clip of `total` frames at `fps` (module docstring)."""
-    if sampling.linspace:
-        return _linspace_indices(total, fps, sampling)
+    if sampling.spread != "even":
+        return _spread_indices(total, fps, sampling)
     factor = sampling.factor
     if sampling.num_frames is not None:
         n = max(factor, round(sampling.num_frames / factor) * factor)
@@ -111,13 +118,21 @@ def sample_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]
     return torch.arange(0, total, total / n).int().tolist()[:n]
 
 
-def _linspace_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
+def _spread_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
     n = sampling.num_frames
-    if n is None:
+    if n is None and sampling.spread == "linspace":
         n = min(max(int(total / fps * sampling.fps), sampling.min_frames), sampling.max_frames, total)
+    elif n is None:
+        n = int(total / fps * sampling.fps)
     if n > total:
         raise VideoError(f"num_frames={n} is more than the clip's {total} frames")
-    return np.linspace(0, total - 1, n).round().astype(int).tolist()
+    if n < 1:
+        raise VideoError(
+            f"the clip's {total} frames at {sampling.fps} per second sample no frame: ask for num_frames"
+        )
+    if sampling.spread == "linspace":
+        return np.linspace(0, total - 1, n).round().astype(int).tolist()
+    return torch.arange(total / n / 2, total, total / n).int().tolist()
 
 
 def probe(data: bytes | Path, limits: VideoLimits) -> ClipInfo:

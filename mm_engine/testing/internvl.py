@@ -97,7 +97,7 @@ def build_internvl_checkpoint(
     InternVLProcessor(
         image_processor=image,
         tokenizer=tokenizer,
-        video_processor=InternVLVideoProcessor(),
+        video_processor=InternVLVideoProcessor(size={"height": tile, "width": tile}),
         image_seq_length=seq_len,
         chat_template=INTERNVL_CHAT_TEMPLATE,
     ).save_pretrained(path)

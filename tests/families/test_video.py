@@ -164,9 +164,61 @@ def test_qwen3_vl_samples_and_stamps_a_clip_as_its_processor_does(tmp_path):
     llm.close()
 
 
+def internvl_prompt(question: str, *parts: str) -> str:
+    return f"<|im_start|>user {''.join(parts)}{question}<|im_end|> <|im_start|>assistant "
+
+
+INTERNVL_CASES = [
+    (internvl_prompt("what happens", "<video> "), [], [(clip(1, 6, (40, 56)), 3.0)], 8),
+    (internvl_prompt("compare them", "<IMG_CONTEXT> ", "<video> "), [make_image(2, (50, 40))],
+     [(clip(2, 4, (32, 48)), 2.0)], 7),
+    (internvl_prompt("how many shapes are there"), [], [], 6),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_internvl_clips_match_transformers_in_a_mixed_batch(vl_family, backend):
+    """InternVL: each frame one tile, `FrameN: <img>...</img>` joined by newlines, as its processor
+    writes them; the frames given, as transformers takes them (no sampling of its own)."""
+    path, ref = vl_family("internvl")
+    llm = engine(path, backend)
+    batch = [request(t, i, v) for t, i, v, _ in INTERNVL_CASES]
+    outs = llm.generate(batch, [greedy(n) for *_, n in INTERNVL_CASES])
+    for out, (text, images, videos, n) in zip(outs, INTERNVL_CASES, strict=True):
+        kwargs = dict(videos=[f for f, _ in videos]) if videos else {}
+        assert out.prompt_token_ids == ref.inputs(text, images, **kwargs)["input_ids"][0].tolist(), text
+        assert out.outputs[0].token_ids == ref.generate(text, images, n, **kwargs), text
+    _, _, spans = llm.engine.inputs.process(batch[0])
+    assert len(spans) == 6 and all(s.video and s.length == spans[0].length for s in spans)
+    assert_all_free(llm)
+    llm.close()
+
+
+def test_internvl_samples_the_middle_of_equal_segments(vl_family):
+    """8 frames by default, each the middle of one eighth of the clip (InternVL's initial shift),
+    or as many as `num_frames` / `fps` ask."""
+    from transformers import InternVLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    path, _ = vl_family("internvl")
+    llm = engine(path, "torch")
+    data = mp4(clip(12, 48, (32, 32)), 12)
+
+    def frames(options: dict) -> int:
+        req = {"prompt": internvl_prompt("x", "<video> "), "multi_modal_data": {"video": data},
+               "mm_processor_kwargs": options}  # fmt: skip
+        return len(llm.engine.inputs.process(req)[2])
+
+    assert frames({}) == 8 and frames({"num_frames": 5}) == 5 and frames({"fps": 1.0}) == 4
+    meta = VideoMetadata(total_num_frames=48, fps=12.0)
+    theirs = InternVLVideoProcessor().sample_frames(meta, num_frames=8).tolist()
+    assert load_video(data, FrameSampling(None, 8, spread="centers")).indices == theirs
+    llm.close()
+
+
 @pytest.mark.parametrize(
     ("name", "refusal"),
-    [("internvl", "does not read video"), ("llava_next", "does not read video")],
+    [("idefics3", "does not read video"), ("llava_next", "does not read video")],
 )
 def test_families_that_do_not_read_video_refuse_it_by_name(vl_family, name, refusal):
     path, _ = vl_family(name)

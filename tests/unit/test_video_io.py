@@ -71,7 +71,7 @@ def test_qwen3_vl_sampling_is_its_processors(total, fps, options):
     from transformers import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
 
-    ours = sample_indices(total, fps, FrameSampling(**options, linspace=True))
+    ours = sample_indices(total, fps, FrameSampling(**options, spread="linspace"))
     meta = VideoMetadata(total_num_frames=total, fps=fps)
     theirs = Qwen3VLVideoProcessor().sample_frames(meta, **{k: v for k, v in options.items() if v}).tolist()
     assert ours == theirs
