@@ -11,6 +11,12 @@ otherwise the image is padded square and becomes one tile (plus a newline). Ever
 placeholder run carries an embedding (newlines are embeddings too). The token count per image is
 the checkpoint's processor's own (`replace_image_token`), the layout the model's, and the two are
 checked against each other at every encoding.
+
+OneVision's video (the prompt's `<video>`): each sampled frame at the tower's resolution, its
+projected features pooled 2x2 (bilinear, as transformers' `apply_pooling`), the frames one after
+another and one `image_newline` after the last. Each frame is a span of its own (the last one
+token longer, for the newline). Frames: `num_frames` (8 by default) at `i x total // n`, or
+`int(seconds x fps)` with `fps`.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ from torch import nn
 
 from mm_engine.models.interface import ProcessedImage, Processing
 from mm_engine.models.llava import LlavaModel, check_config
+from mm_engine.models.options import SAMPLING_OPTIONS, frame_sampling
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
+from mm_engine.vision.video_io import FrameSampling, Video, video_content_hash
 
 __all__ = ["LlavaNextModel", "LlavaNextProcessing", "check_config"]
+DEFAULT_FRAMES = 8  # a clip's frames unless the request says (transformers' OneVision example)
 
 
 def _hf():
@@ -45,8 +54,6 @@ class LlavaNextProcessing(Processing):
     def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoProcessor
 
-        if kwargs:
-            raise ValueError(f"mm_processor_kwargs are not supported for this family: {', '.join(kwargs)}")
         self.proc = AutoProcessor.from_pretrained(path)
         self.hf = self.proc.image_processor
         self.image_token = self.proc.image_token
@@ -55,6 +62,25 @@ class LlavaNextProcessing(Processing):
         self.pinpoints = config.image_grid_pinpoints
         self.tile = config.vision_config.image_size
         self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
+        self.video_hf = getattr(self.proc, "video_processor", None) if self.onevision else None
+        if self.video_hf is not None and getattr(config, "video_token_index", None) is not None:
+            self.video_token_id = config.video_token_index
+            self.video_token = tokenizer.convert_ids_to_tokens(self.video_token_id)
+            base = FrameSampling(None, DEFAULT_FRAMES, min_frames=1, spread="uniform")
+            self._check(kwargs)
+            self.sampling = frame_sampling(base, kwargs)
+            self.pooled = (
+                math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2) ** 2
+            )
+            self._video_salt = json.dumps(self.video_hf.to_dict(), sort_keys=True, default=str)
+        else:
+            self._check(kwargs)
+
+    def _check(self, options: Mapping[str, Any] | None) -> None:
+        """Only a video's sampling options, where this checkpoint reads video."""
+        unknown = [k for k in options or {} if self.video_token_id is None or k not in SAMPLING_OPTIONS]
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs are not supported for this family: {', '.join(unknown)}")
 
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
         return self.process_images([image], overrides)[0]
@@ -62,8 +88,7 @@ class LlavaNextProcessing(Processing):
     def process_images(
         self, images: list[Image.Image], overrides: Mapping[str, Any] | None = None
     ) -> list[ProcessedImage]:
-        if overrides:
-            raise ValueError(f"mm_processor_kwargs are not supported for this family: {', '.join(overrides)}")
+        self._check(overrides)
         # OneVision's processor learns from the nesting how many images share the prompt.
         out = self.hf(images=[list(images)] if self.onevision else list(images), return_tensors="pt")
         tiled = not (self.onevision and len(images) > 1)
@@ -85,6 +110,27 @@ class LlavaNextProcessing(Processing):
             )
         return result
 
+    def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
+        if self.video_token_id is None:
+            return super().video_sampling(overrides)
+        self._check(overrides)
+        return frame_sampling(self.sampling, overrides)
+
+    def process_video(
+        self, video: Video, overrides: Mapping[str, Any] | None = None, group_tokens: int | None = None
+    ) -> list[ProcessedImage]:
+        if self.video_token_id is None:
+            return super().process_video(video, overrides, group_tokens)
+        frames = self.video_hf(videos=[video.frames], return_tensors="pt")["pixel_values_videos"][0]
+        digest = video_content_hash(video, self._video_salt.encode())
+        runs = []
+        for i in range(frames.shape[0]):
+            n = self.pooled + (i == frames.shape[0] - 1)  # the newline after the last frame
+            runs.append(
+                ProcessedImage(frames[i : i + 1], [self.video_token_id] * n, None, n, f"{digest}:{i}")
+            )
+        return runs
+
 
 class LlavaNextModel(LlavaModel):
     extra_weights = ("image_newline",)
@@ -104,13 +150,24 @@ class LlavaNextModel(LlavaModel):
         feats = self.encode_images(pixels.to(self.language_model.embed_tokens.weight.device))
         out = []
         for span, f in zip(images, feats.split([s.pixel_values.shape[0] for s in images]), strict=True):
-            packed = self._pack(f, list(span.grid))
+            packed = self._pool_frame(f[0], span.num_embeds) if span.video else self._pack(f, list(span.grid))
             if packed.shape[0] != span.num_embeds:
                 raise ValueError(
                     f"an image packs into {packed.shape[0]} features for {span.num_embeds} tokens"
                 )
             out.append(packed[:, None])
         return out
+
+    def _pool_frame(self, feats: torch.Tensor, n: int) -> torch.Tensor:
+        """A video frame's `[side * side, hidden]` pooled 2x2 (bilinear); the newline after it when
+        its run has room for one (the clip's last frame)."""
+        s, d = self.side, feats.shape[-1]
+        grid = feats.view(1, s, s, d).permute(0, 3, 1, 2)
+        pooled = nn.functional.interpolate(grid, size=[math.ceil(s / 2)] * 2, mode="bilinear")
+        pooled = pooled[0].permute(1, 2, 0).reshape(-1, d)
+        if n == pooled.shape[0] + 1:
+            pooled = torch.cat([pooled, self.image_newline.to(pooled.dtype)[None]])
+        return pooled
 
     def _pack(self, feats: torch.Tensor, size: list[int]) -> torch.Tensor:
         """`[tiles, side * side, hidden]` of one image -> its feature sequence."""

@@ -12,7 +12,8 @@ at least `min_frames` and at most `max_frames`, a multiple of `factor` (the towe
 patch), spread evenly over the clip; or exactly `num_frames`. Two families spread them their own
 way (`spread`): Qwen3-VL takes any count (its processor pads the last temporal patch) from the
 first frame to the last (`linspace`); InternVL takes the middle frame of each of n equal
-segments (`centers`, its `initial_shift`), with no minimum and no rounding.
+segments (`centers`, its `initial_shift`) and LLaVA-OneVision the first (`uniform`,
+transformers' default `i x total // n`), with no minimum and no rounding.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class VideoLimits:
     max_decoded_bytes: int = 2 * 1024**3  # the sampled frames as RGB bytes
 
 
-SPREADS = ("even", "linspace", "centers")
+SPREADS = ("even", "linspace", "centers", "uniform")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class FrameSampling:
     min_frames: int = 4
     max_frames: int = 768
     factor: int = 2  # frame counts are rounded down to a multiple of this
-    spread: str = "even"  # "even", "linspace" (Qwen3-VL) or "centers" (InternVL): module docstring
+    spread: str = "even"  # or "linspace" (Qwen3-VL), "centers" (InternVL), "uniform": module docstring
 
     def __post_init__(self) -> None:
         if self.fps is not None and self.num_frames is not None:
@@ -123,7 +124,7 @@ def _spread_indices(total: int, fps: float, sampling: FrameSampling) -> list[int
     if n is None and sampling.spread == "linspace":
         n = min(max(int(total / fps * sampling.fps), sampling.min_frames), sampling.max_frames, total)
     elif n is None:
-        n = int(total / fps * sampling.fps)
+        n = max(int(total / fps * sampling.fps), 1 if sampling.spread == "uniform" else 0)
     if n > total:
         raise VideoError(f"num_frames={n} is more than the clip's {total} frames")
     if n < 1:
@@ -132,6 +133,8 @@ def _spread_indices(total: int, fps: float, sampling: FrameSampling) -> list[int
         )
     if sampling.spread == "linspace":
         return np.linspace(0, total - 1, n).round().astype(int).tolist()
+    if sampling.spread == "uniform":
+        return [i * total // n for i in range(n)]
     return torch.arange(total / n / 2, total, total / n).int().tolist()
 
 

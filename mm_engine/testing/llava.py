@@ -134,6 +134,7 @@ def build_anyres_checkpoint(
         vision_feature_select_strategy="full" if onevision else "default",
         vision_feature_layer=-1 if onevision else -2,
         **({"vision_aspect_ratio": "anyres_max_2"} if onevision else {}),
+        **({"video_token_index": tokenizer.convert_tokens_to_ids("<video>")} if onevision else {}),
         tie_word_embeddings=False,
     )
     save_random_model(cfg, path, seed, weight_scale, dtype)
@@ -149,7 +150,7 @@ def build_anyres_checkpoint(
                 size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
             ),
             tokenizer=tokenizer,
-            video_processor=LlavaOnevisionVideoProcessor(),
+            video_processor=LlavaOnevisionVideoProcessor(size={"height": tile, "width": tile}),
             num_image_tokens=(tile // patch) ** 2,
             vision_feature_select_strategy="full",
             vision_aspect_ratio="anyres_max_2",

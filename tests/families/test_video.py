@@ -216,6 +216,53 @@ def test_internvl_samples_the_middle_of_equal_segments(vl_family):
     llm.close()
 
 
+ONEVISION_CASES = [
+    ("USER: <video> what happens ASSISTANT:", [], [(clip(1, 5, (40, 56)), 3.0)], 8),
+    ("USER: <image> <video> compare them ASSISTANT:", [make_image(2, (50, 40))],
+     [(clip(2, 4, (32, 48)), 2.0)], 7),
+    ("USER: how many shapes are there ASSISTANT:", [], [], 6),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_llava_onevision_clips_match_transformers_in_a_mixed_batch(vl_family, backend):
+    """LLaVA-OneVision: each frame's features pooled 2x2, one newline after the clip's last frame;
+    the frames given, as transformers takes them."""
+    path, ref = vl_family("llava_onevision")
+    llm = engine(path, backend)
+    batch = [request(t, i, v) for t, i, v, _ in ONEVISION_CASES]
+    outs = llm.generate(batch, [greedy(n) for *_, n in ONEVISION_CASES])
+    for out, (text, images, videos, n) in zip(outs, ONEVISION_CASES, strict=True):
+        kwargs = dict(videos=[f for f, _ in videos]) if videos else {}
+        assert out.prompt_token_ids == ref.inputs(text, images, **kwargs)["input_ids"][0].tolist(), text
+        assert out.outputs[0].token_ids == ref.generate(text, images, n, **kwargs), text
+    _, _, spans = llm.engine.inputs.process(batch[0])
+    assert [s.length for s in spans] == [4] * 4 + [5] and all(s.video for s in spans)  # 2x2 pooled
+    assert_all_free(llm)
+    llm.close()
+
+
+def test_llava_onevision_samples_frames_as_transformers_does(vl_family):
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    path, _ = vl_family("llava_onevision")
+    llm = engine(path, "torch")
+    data = mp4(clip(12, 45, (32, 32)), 15)
+
+    def frames(options: dict) -> int:
+        req = {"prompt": "USER: <video> x ASSISTANT:", "multi_modal_data": {"video": data},
+               "mm_processor_kwargs": options}  # fmt: skip
+        return len(llm.engine.inputs.process(req)[2])
+
+    assert frames({}) == 8 and frames({"num_frames": 3}) == 3 and frames({"fps": 2.0}) == 6
+    with pytest.raises(ValueError, match="not supported for this family: max_patches"):
+        frames({"max_patches": 3})
+    meta = VideoMetadata(total_num_frames=45, fps=15.0)
+    theirs = default_sample_indices_fn(meta, num_frames=8).tolist()
+    assert load_video(data, FrameSampling(None, 8, min_frames=1, spread="uniform")).indices == theirs
+    llm.close()
+
+
 @pytest.mark.parametrize(
     ("name", "refusal"),
     [("idefics3", "does not read video"), ("llava_next", "does not read video")],
