@@ -29,16 +29,17 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_engine.models.interface import ProcessedImage, Processing
+from mm_engine.models.frame_video import FrameVideo
+from mm_engine.models.interface import ProcessedImage
 from mm_engine.models.layers.vit_tower import VitTower, tower_state
 from mm_engine.models.llava import feature_layers
-from mm_engine.models.options import SAMPLING_OPTIONS, frame_sampling, positive_option
+from mm_engine.models.options import SAMPLING_OPTIONS, positive_option
 from mm_engine.models.platform import Platform
 from mm_engine.models.tower_projector import TowerProjectorModel
 from mm_engine.models.weights import load_strict
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
-from mm_engine.vision.video_io import FrameSampling, Video, video_content_hash
+from mm_engine.vision.video_io import FrameSampling
 
 SUPPORTED_TEXT = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_FRAMES = 8  # a clip's frames unless the request says (InternVL's own examples' count)
@@ -62,7 +63,7 @@ def check_config(config) -> None:
         raise ValueError(f"downsample_ratio must be 1 / an integer, got {config.downsample_ratio}")
 
 
-class InternVLProcessing(Processing):
+class InternVLProcessing(FrameVideo):
     """The checkpoint's own image processor (transformers'), one image per call, tiling on."""
 
     def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -77,13 +78,11 @@ class InternVLProcessing(Processing):
         defaults = {"min_patches": self.hf.min_patches, "max_patches": self.hf.max_patches}
         self.tiles = self._tiles(defaults, kwargs)
         self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
-        self.video_hf = getattr(hf, "video_processor", None)
-        video = getattr(hf, "video_token", None)
-        if self.video_hf is not None and video in tokenizer.get_vocab():
-            self.video_token, self.video_token_id = video, tokenizer.convert_tokens_to_ids(video)
+        video_hf, video = getattr(hf, "video_processor", None), getattr(hf, "video_token", None)
+        if video_hf is not None and video in tokenizer.get_vocab():
             self._tokenizer = tokenizer
-            self.sampling = frame_sampling(FrameSampling(None, DEFAULT_FRAMES, spread="centers"), kwargs)
-            self._video_salt = json.dumps(self.video_hf.to_dict(), sort_keys=True, default=str)
+            base = FrameSampling(None, DEFAULT_FRAMES, spread="centers")
+            self.init_video(video_hf, video, tokenizer.convert_tokens_to_ids(video), base, kwargs)
 
     @staticmethod
     def _tiles(base: dict[str, int], options: Mapping[str, Any] | None) -> dict[str, int]:
@@ -114,29 +113,17 @@ class InternVLProcessing(Processing):
         )
         return ProcessedImage(pixels, tokens, mask, n, digest)
 
-    def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
-        if self.video_token_id is None:
-            return super().video_sampling(overrides)
-        self._tiles(self.tiles, overrides)  # an unknown option is refused here too
-        return frame_sampling(self.sampling, overrides)
+    def check_options(self, options: Mapping[str, Any] | None) -> None:
+        self._tiles(self.tiles, options)
 
-    def process_video(
-        self, video: Video, overrides: Mapping[str, Any] | None = None, group_tokens: int | None = None
-    ) -> list[ProcessedImage]:
-        """Each frame one tile and a span of its own, between `FrameN: <img>` and `</img>`."""
-        if self.video_token_id is None:
-            return super().process_video(video, overrides, group_tokens)
-        pixels = self.video_hf(videos=[video.frames], do_sample_frames=False, return_tensors="pt")
-        frames = pixels["pixel_values_videos"][0]
-        digest = video_content_hash(video, self._video_salt.encode())
-        runs = []
-        for i in range(frames.shape[0]):
-            label = self._tokenizer(f"{chr(10) if i else ''}Frame{i + 1}: ", add_special_tokens=False)
-            tokens = [self.image_token_id] * self.seq_len
-            runs.append(ProcessedImage(frames[i : i + 1], tokens, None, self.seq_len, f"{digest}:{i}",
-                                       text_before=(*label["input_ids"], self.start_id),
-                                       text_after=(self.end_id,)))  # fmt: skip
-        return runs
+    def frame_run(self, index: int, last: bool, pixels: torch.Tensor, key: str) -> ProcessedImage:
+        """One tile, between `FrameN: <img>` (after a newline but for the first) and `</img>`."""
+        label = self._tokenizer(f"{chr(10) if index else ''}Frame{index + 1}: ", add_special_tokens=False)
+        tokens = [self.image_token_id] * self.seq_len
+        before = (*label["input_ids"], self.start_id)
+        return ProcessedImage(
+            pixels, tokens, None, self.seq_len, key, text_before=before, text_after=(self.end_id,)
+        )
 
 
 def pixel_shuffle(x: torch.Tensor, factor: int) -> torch.Tensor:

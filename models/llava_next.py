@@ -31,12 +31,13 @@ import torch
 from PIL import Image
 from torch import nn
 
-from mm_engine.models.interface import ProcessedImage, Processing
+from mm_engine.models.frame_video import FrameVideo
+from mm_engine.models.interface import ProcessedImage
 from mm_engine.models.llava import LlavaModel, check_config
-from mm_engine.models.options import SAMPLING_OPTIONS, frame_sampling
+from mm_engine.models.options import SAMPLING_OPTIONS
 from mm_engine.request import ImageSpan
 from mm_engine.vision.image_io import image_content_hash
-from mm_engine.vision.video_io import FrameSampling, Video, video_content_hash
+from mm_engine.vision.video_io import FrameSampling
 
 __all__ = ["LlavaNextModel", "LlavaNextProcessing", "check_config"]
 DEFAULT_FRAMES = 8  # a clip's frames unless the request says (transformers' OneVision example)
@@ -48,7 +49,7 @@ def _hf():
     return modeling_llava_next
 
 
-class LlavaNextProcessing(Processing):
+class LlavaNextProcessing(FrameVideo):
     """The checkpoint's own processor (transformers'), on all images of a prompt at once."""
 
     def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
@@ -62,25 +63,15 @@ class LlavaNextProcessing(Processing):
         self.pinpoints = config.image_grid_pinpoints
         self.tile = config.vision_config.image_size
         self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
-        self.video_hf = getattr(self.proc, "video_processor", None) if self.onevision else None
-        if self.video_hf is not None and getattr(config, "video_token_index", None) is not None:
-            self.video_token_id = config.video_token_index
-            self.video_token = tokenizer.convert_ids_to_tokens(self.video_token_id)
+        video_hf = getattr(self.proc, "video_processor", None) if self.onevision else None
+        token_id = getattr(config, "video_token_index", None)
+        if video_hf is not None and token_id is not None:
+            side = config.vision_config.image_size // config.vision_config.patch_size
+            self.pooled = math.ceil(side / 2) ** 2  # a frame's tokens, pooled 2x2
             base = FrameSampling(None, DEFAULT_FRAMES, min_frames=1, spread="uniform")
-            self._check(kwargs)
-            self.sampling = frame_sampling(base, kwargs)
-            self.pooled = (
-                math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2) ** 2
-            )
-            self._video_salt = json.dumps(self.video_hf.to_dict(), sort_keys=True, default=str)
+            self.init_video(video_hf, tokenizer.convert_ids_to_tokens(token_id), token_id, base, kwargs)
         else:
-            self._check(kwargs)
-
-    def _check(self, options: Mapping[str, Any] | None) -> None:
-        """Only a video's sampling options, where this checkpoint reads video."""
-        unknown = [k for k in options or {} if self.video_token_id is None or k not in SAMPLING_OPTIONS]
-        if unknown:
-            raise ValueError(f"mm_processor_kwargs are not supported for this family: {', '.join(unknown)}")
+            self.check_options(kwargs)
 
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
         return self.process_images([image], overrides)[0]
@@ -88,7 +79,7 @@ class LlavaNextProcessing(Processing):
     def process_images(
         self, images: list[Image.Image], overrides: Mapping[str, Any] | None = None
     ) -> list[ProcessedImage]:
-        self._check(overrides)
+        self.check_options(overrides)
         # OneVision's processor learns from the nesting how many images share the prompt.
         out = self.hf(images=[list(images)] if self.onevision else list(images), return_tensors="pt")
         tiled = not (self.onevision and len(images) > 1)
@@ -110,26 +101,15 @@ class LlavaNextProcessing(Processing):
             )
         return result
 
-    def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
-        if self.video_token_id is None:
-            return super().video_sampling(overrides)
-        self._check(overrides)
-        return frame_sampling(self.sampling, overrides)
+    def check_options(self, options: Mapping[str, Any] | None) -> None:
+        """Only a video's sampling options, where this checkpoint reads video."""
+        unknown = [k for k in options or {} if self.video_token_id is None or k not in SAMPLING_OPTIONS]
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs are not supported for this family: {', '.join(unknown)}")
 
-    def process_video(
-        self, video: Video, overrides: Mapping[str, Any] | None = None, group_tokens: int | None = None
-    ) -> list[ProcessedImage]:
-        if self.video_token_id is None:
-            return super().process_video(video, overrides, group_tokens)
-        frames = self.video_hf(videos=[video.frames], return_tensors="pt")["pixel_values_videos"][0]
-        digest = video_content_hash(video, self._video_salt.encode())
-        runs = []
-        for i in range(frames.shape[0]):
-            n = self.pooled + (i == frames.shape[0] - 1)  # the newline after the last frame
-            runs.append(
-                ProcessedImage(frames[i : i + 1], [self.video_token_id] * n, None, n, f"{digest}:{i}")
-            )
-        return runs
+    def frame_run(self, index: int, last: bool, pixels: torch.Tensor, key: str) -> ProcessedImage:
+        n = self.pooled + last  # the newline after the clip's last frame
+        return ProcessedImage(pixels, [self.video_token_id] * n, None, n, key)
 
 
 class LlavaNextModel(LlavaModel):

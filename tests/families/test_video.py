@@ -176,24 +176,6 @@ INTERNVL_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-def test_internvl_clips_match_transformers_in_a_mixed_batch(vl_family, backend):
-    """InternVL: each frame one tile, `FrameN: <img>...</img>` joined by newlines, as its processor
-    writes them; the frames given, as transformers takes them (no sampling of its own)."""
-    path, ref = vl_family("internvl")
-    llm = engine(path, backend)
-    batch = [request(t, i, v) for t, i, v, _ in INTERNVL_CASES]
-    outs = llm.generate(batch, [greedy(n) for *_, n in INTERNVL_CASES])
-    for out, (text, images, videos, n) in zip(outs, INTERNVL_CASES, strict=True):
-        kwargs = dict(videos=[f for f, _ in videos]) if videos else {}
-        assert out.prompt_token_ids == ref.inputs(text, images, **kwargs)["input_ids"][0].tolist(), text
-        assert out.outputs[0].token_ids == ref.generate(text, images, n, **kwargs), text
-    _, _, spans = llm.engine.inputs.process(batch[0])
-    assert len(spans) == 6 and all(s.video and s.length == spans[0].length for s in spans)
-    assert_all_free(llm)
-    llm.close()
-
-
 def test_internvl_samples_the_middle_of_equal_segments(vl_family):
     """8 frames by default, each the middle of one eighth of the clip (InternVL's initial shift),
     or as many as `num_frames` / `fps` ask."""
@@ -224,20 +206,26 @@ ONEVISION_CASES = [
 ]  # fmt: skip
 
 
+FRAME_FAMILIES = {"internvl": (INTERNVL_CASES, [4] * 6), "llava_onevision": (ONEVISION_CASES, [4] * 4 + [5])}
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-def test_llava_onevision_clips_match_transformers_in_a_mixed_batch(vl_family, backend):
-    """LLaVA-OneVision: each frame's features pooled 2x2, one newline after the clip's last frame;
-    the frames given, as transformers takes them."""
-    path, ref = vl_family("llava_onevision")
+@pytest.mark.parametrize("name", list(FRAME_FAMILIES))
+def test_frame_by_frame_clips_match_transformers_in_a_mixed_batch(vl_family, name, backend):
+    """InternVL (each frame one tile, `FrameN: <img>...</img>` joined by newlines) and
+    LLaVA-OneVision (each frame's features pooled 2x2, one newline after the clip's last frame),
+    as their processors write them; the frames given, as transformers takes them."""
+    path, ref = vl_family(name)
+    cases, lengths = FRAME_FAMILIES[name]
     llm = engine(path, backend)
-    batch = [request(t, i, v) for t, i, v, _ in ONEVISION_CASES]
-    outs = llm.generate(batch, [greedy(n) for *_, n in ONEVISION_CASES])
-    for out, (text, images, videos, n) in zip(outs, ONEVISION_CASES, strict=True):
+    batch = [request(t, i, v) for t, i, v, _ in cases]
+    outs = llm.generate(batch, [greedy(n) for *_, n in cases])
+    for out, (text, images, videos, n) in zip(outs, cases, strict=True):
         kwargs = dict(videos=[f for f, _ in videos]) if videos else {}
         assert out.prompt_token_ids == ref.inputs(text, images, **kwargs)["input_ids"][0].tolist(), text
         assert out.outputs[0].token_ids == ref.generate(text, images, n, **kwargs), text
     _, _, spans = llm.engine.inputs.process(batch[0])
-    assert [s.length for s in spans] == [4] * 4 + [5] and all(s.video for s in spans)  # 2x2 pooled
+    assert [s.length for s in spans] == lengths and all(s.video for s in spans)  # a span a frame
     assert_all_free(llm)
     llm.close()
 
