@@ -38,10 +38,10 @@ from mm_engine.vision.image_io import image_content_hash
 SUPPORTED_TEXT = ("mistral", "llama")
 
 
-def check_config(config) -> None:
-    if config.text_config.model_type not in SUPPORTED_TEXT:
+def check_config(config, supported: tuple[str, ...] = SUPPORTED_TEXT) -> None:
+    if config.text_config.model_type not in supported:
         raise ValueError(
-            f"unsupported language model {config.text_config.model_type!r}; supported: {SUPPORTED_TEXT}"
+            f"unsupported language model {config.text_config.model_type!r}; supported: {supported}"
         )
     if getattr(config.text_config, "sliding_window", None):
         raise ValueError("sliding-window attention in the language model is not supported")

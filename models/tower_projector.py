@@ -25,6 +25,9 @@ from mm_engine.parallel.group import TPGroup
 
 class TowerProjectorModel(MultimodalModel):
     family = "?"
+    # The part (vision, projector, lm) and name of each checkpoint key; a family with other
+    # prefixes gives its own.
+    route = staticmethod(route_tower_projector_lm)
 
     def __init__(self, config, vision_tower: torch.nn.Module, projector: torch.nn.Module, language_model):
         super().__init__()
@@ -57,7 +60,7 @@ class TowerProjectorModel(MultimodalModel):
         cls, path: Path, config, dtype: torch.dtype, vision_dtype: torch.dtype, device: torch.device,
         platform: Platform, pack_weights: bool, tp: TPGroup | None = None,
     ) -> MultimodalModel:  # fmt: skip
-        parts = split_by_prefix(read_weights(path), route_tower_projector_lm, cls.family)
+        parts = split_by_prefix(read_weights(path), cls.route, cls.family)
         lm = cls.build_language_model(parts.get("lm", {}), config, dtype, device, platform, tp)
         with torch.device(device):
             tower = cls.build_tower(materialize(parts.get("vision", {})), config, platform)

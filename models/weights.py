@@ -71,11 +71,14 @@ def split_by_prefix(
     return parts
 
 
-def route_tower_projector_lm(key: str) -> tuple[str, str] | None:
+def route_tower_projector_lm(
+    key: str, tower: str = "vision_tower.", projector: str = "multi_modal_projector."
+) -> tuple[str, str] | None:
     """The LLaVA-style layout (InternVL, Mistral 3): `vision_tower.*`, `multi_modal_projector.*`
-    and `language_model.*` (+ `lm_head.*`), under `model.` (transformers 5) or not (older)."""
+    and `language_model.*` (+ `lm_head.*`), under `model.` (transformers 5) or not (older); a
+    family may name the first two otherwise (`tower`, `projector`: the prefixes)."""
     k = key.removeprefix("model.")
-    for prefix, part in (("vision_tower.", "vision"), ("multi_modal_projector.", "projector")):
+    for prefix, part in ((tower, "vision"), (projector, "projector")):
         if k.startswith(prefix):
             return part, k.removeprefix(prefix)
     if k.startswith("lm_head."):

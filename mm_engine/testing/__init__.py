@@ -30,6 +30,7 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "internvl": ("internvl", "build_internvl_checkpoint", {"text": "qwen2"}),
     "internvl_qwen3": ("internvl", "build_internvl_checkpoint", {"text": "qwen3"}),
     "mistral3": ("mistral3", "build_mistral3_checkpoint", {}),
+    "lighton_ocr": ("lighton_ocr", "build_lighton_ocr_checkpoint", {}),
     "gemma3": ("gemma3", "build_gemma3_checkpoint", {}),
 }
 FAMILIES = tuple(_BUILDERS)

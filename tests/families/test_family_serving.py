@@ -23,7 +23,8 @@ from mm_engine.jobs.caption import caption_images
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 FAMILIES = [
-    "qwen2_5_vl", "qwen3_5", "smolvlm", "internvl", "mistral3", "llava_next", "llava_onevision", "gemma3",
+    "qwen2_5_vl", "qwen3_5", "smolvlm", "internvl", "mistral3", "lighton_ocr", "llava_next",
+    "llava_onevision", "gemma3",
 ]  # fmt: skip
 # (Qwen3-VL serves through the same Qwen paths as these two; its model is held to transformers by
 # test_qwen_vl.py and test_family_common.py.)

@@ -1,4 +1,4 @@
-"""Idefics3, SmolVLM, InternVL and Mistral 3 (Pixtral): images cut into tiles (plus a global image
+"""Idefics3, SmolVLM, InternVL, Mistral 3 and LightOnOCR (Pixtral): images cut into tiles (plus a global image
 or thumbnail) or rows of patches, runs of placeholder tokens where only some positions carry
 embeddings (row/column tags, `<img>`/`</img>`, `[IMG_BREAK]`/`[IMG_END]`). Greedy tokens equal to
 transformers' `generate` on tiny random checkpoints (every attention backend, block size 8, a
@@ -14,7 +14,7 @@ from helpers.families import assert_all_free, engine, greedy, mm, run_batch_agai
 from helpers.families import family_prompt as prompt
 from helpers.images import make_image
 
-FAMILIES = ["idefics3", "smolvlm", "internvl", "mistral3"]
+FAMILIES = ["idefics3", "smolvlm", "internvl", "mistral3", "lighton_ocr"]
 # InternVL3.5: the same tower with a Qwen3 language model (q/k norms).
 ALL = [*FAMILIES, "internvl_qwen3"]
 
@@ -48,6 +48,9 @@ def test_runs_carry_embeddings_only_at_image_tokens_and_pick_pools_by_them(famil
     image_id = llm.engine.inputs.image_token_id
     for span in spans:
         run = ids[span.offset : span.offset + span.length]
+        if span.embed_mask is None:  # LightOnOCR: image tokens only, every one an embedding
+            assert set(run) == {image_id} and span.num_embeds == span.length
+            continue
         assert span.embed_mask == tuple(t == image_id for t in run)
         assert span.num_embeds == sum(span.embed_mask) < span.length
     assert max(s.length for s in spans) > 16  # more than a step's budget: split across chunks
@@ -57,9 +60,9 @@ def test_runs_carry_embeddings_only_at_image_tokens_and_pick_pools_by_them(famil
     flags = llm.engine.core.blocks.image_block_flags(req)
     is_embed = [False] * len(ids)
     for span in spans:
-        is_embed[span.offset : span.offset + span.length] = span.embed_mask
+        is_embed[span.offset : span.offset + span.length] = span.embed_mask or [True] * span.length
     assert flags == [all(is_embed[i * 8 : (i + 1) * 8]) for i in range(len(ids) // 8)]
-    if name.startswith("internvl"):  # contiguous context tokens: whole blocks of them go to the image pool
+    if name.startswith("internvl") or name == "lighton_ocr":  # whole blocks of embeddings: the image pool
         assert any(flags)
 
 
@@ -86,7 +89,7 @@ def test_processing_equals_the_hf_processor(vl_family, mode):
         want = ref.inputs(text, images)
         assert ids == want["input_ids"][0].tolist(), name
         pixels = want["pixel_values"]
-        if name == "mistral3":  # a padded batch of images of their own sizes
+        if name in ("mistral3", "lighton_ocr"):  # a padded batch of images of their own sizes
             for span, padded, (h, w) in zip(spans, pixels, want["image_sizes"].tolist(), strict=True):
                 torch.testing.assert_close(span.pixel_values, padded[:, :h, :w])
             continue
@@ -102,6 +105,7 @@ def test_processing_equals_the_hf_processor(vl_family, mode):
         ("smolvlm", {"size": {"longest_edge": 32}}, {"size": {"longest_edge": 32}}),
         ("internvl", {"max_dynamic_patch": 2}, {"max_patches": 2}),
         ("mistral3", {"longest_edge": 32}, {"size": {"longest_edge": 32}}),
+        ("lighton_ocr", {"longest_edge": 48}, {"size": {"longest_edge": 48}}),
     ],
 )
 def test_mm_processor_kwargs(vl_family, name, ours, hf):

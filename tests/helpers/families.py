@@ -11,7 +11,7 @@ from mm_engine import LLM, SamplingParams
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|> "
 ALL_FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm",
-    "internvl", "internvl_qwen3", "mistral3", "llava_next", "llava_onevision", "gemma3",
+    "internvl", "internvl_qwen3", "mistral3", "lighton_ocr", "llava_next", "llava_onevision", "gemma3",
 ]  # fmt: skip
 
 
@@ -19,6 +19,8 @@ def family_prompt(family: str, question: str, n_images: int = 0) -> str:
     """A raw prompt in the family's format with `n_images` placeholders before the question."""
     if family.startswith("qwen"):
         return f"<|im_start|>user {QWEN_IMAGE * n_images}{question}<|im_end|> <|im_start|>assistant "
+    if family == "lighton_ocr":
+        return f"<|im_start|>user {'<|image_pad|> ' * n_images}{question}<|im_end|> <|im_start|>assistant "
     if family.startswith("internvl"):
         return f"<|im_start|>user {'<IMG_CONTEXT> ' * n_images}{question}<|im_end|> <|im_start|>assistant "
     if family == "mistral3":

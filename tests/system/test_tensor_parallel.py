@@ -249,6 +249,7 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         "idefics3",
         "internvl",
         "mistral3",
+        "lighton_ocr",
         "llava_onevision",
     ],
 )
