@@ -1,6 +1,6 @@
 """Offline throughput, side by side: mm-engine against transformers on the same model and inputs.
 
-    python -m bench.offline --workload caption|chat|video [--num-images N] [--json PATH] [--profile]
+    python -m bench.offline --workload caption|chat|video|ocr [--num-images N] [--json PATH] [--profile]
                             [--device cuda [--dtype float16]] [--json-schema SCHEMA.json]
 
 Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, long-tailed):
@@ -10,6 +10,8 @@ Workloads (random-weight benchmark model from bench.vlm; output lengths seeded, 
   video    one captioning prompt per clip (16 by default; a family that reads video, by default
            the Qwen2.5-VL benchmark model): each clip 8 frames at 2 fps, given to both sides as
            sampled frames; outputs as caption's.
+  ocr      one transcription prompt per document page (1240 x 1754 px; by default on the
+           LightOnOCR-shaped benchmark model); outputs as caption's.
 
 transformers runs `LlavaForConditionalGeneration.generate`, greedy, batched with left padding, at
 the batch size that gave it the best throughput in a small sweep run first (one batch per
@@ -52,6 +54,7 @@ from bench.offline_structured import print_structured, structured_cost
 from bench.save import save_json
 from mm_engine.config import QUANTIZATIONS
 
+DEFAULT_MODELS = {"video": "bench-qwen2.5-vl", "ocr": "bench-lighton-ocr"}  # else bench.vlm's LLaVA
 HF_SWEEP = {"caption": (4, 8, 16, 32), "chat": (4, 8, 16)}  # chat at 32 lost to 8 and costs 90 s
 HF_SWEEP_GPU = {"caption": (8, 16, 32, 64, 128), "chat": (8, 16, 32, 64, 128)}
 
@@ -62,7 +65,7 @@ def workload_requests(
     """(image index, prompt, output tokens) in submission order; `prompts`: the model's (caption
     prompt, question -> chat prompt), from `vlm.prompts_for`."""
     caption, chat = prompts
-    if workload in ("caption", "video"):
+    if workload in ("caption", "video", "ocr"):
         lengths = vlm.output_lengths(num_images, "caption", seed)
         return [(i, caption, n) for i, n in enumerate(lengths)]
     lengths = vlm.output_lengths(4 * num_images, "chat", seed)
@@ -133,7 +136,7 @@ def compare(engine_tokens, hf_tokens, sample: int) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["caption", "chat", "video"], default="caption")
+    ap.add_argument("--workload", choices=["caption", "chat", "video", "ocr"], default="caption")
     ap.add_argument(
         "--num-images", type=int, default=None, help="default: 64 for caption, 16 for chat (64 requests)"
     )
@@ -150,12 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                     help="overlap step N+1 with step N (auto: on with CUDA; off with --profile)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument(
-        "--model",
-        default=None,
-        help="a checkpoint folder of any supported family, or bench (default: bench.vlm's LLaVA model) "
-        "or bench-qwen2.5-vl (bench.vlm's Qwen2.5-VL model), built once",
-    )
+    ap.add_argument("--model", default=None, help="a checkpoint folder of any supported family, or one "
+                    f"of bench.vlm's models, built once: {', '.join(vlm.MODEL_ALIASES)}")  # fmt: skip
     ap.add_argument(
         "--rate-sizes",
         default=None,
@@ -186,12 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     schema = None if args.json_schema is None else json.loads(args.json_schema.read_text())
-    video = args.workload == "video"
-    default = "bench-bytelevel" if schema is not None else "bench-qwen2.5-vl" if video else None
+    video, ocr = args.workload == "video", args.workload == "ocr"
+    default = "bench-bytelevel" if schema is not None else DEFAULT_MODELS.get(args.workload)
     model = vlm.resolve_model(args.model or default)
     prompts = vlm.prompts_for(model)
-    if video:
-        prompts = (vlm.video_prompt_for(model), prompts[1])
+    if video or ocr:
+        prompts = (vlm.video_prompt_for(model) if video else prompts[1]("transcribe this page"), prompts[1])
     requests = workload_requests(args.workload, args.num_images, args.seed, prompts)
     engine_args = {
         "max_num_seqs": args.max_num_seqs,
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine_args["multiprocess"] = True
     job = Job(
         model, args.threads, args.num_images, args.seed, requests, engine_args, profile=args.profile,
-        rate_sizes=rate_sizes, device=args.device, dtype=dtype, video=video,
+        rate_sizes=rate_sizes, device=args.device, dtype=dtype, video=video, pages=ocr,
     )  # fmt: skip
     if schema is not None:
         result = structured_cost(job, schema)
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     ours = run_in_child(engine_run, job)
     print(f"  mm-engine: {ours['seconds']:.1f} s", flush=True)
     if args.hf_batch_size is None:
-        best, sweep = sweep_hf(job, "caption" if video else args.workload)
+        best, sweep = sweep_hf(job, "caption" if video or ocr else args.workload)
     else:
         best, sweep = args.hf_batch_size, {}
     hf = run_in_child(hf_run, Job(**{**job.__dict__, "hf_batch_size": best, "profile": False}))

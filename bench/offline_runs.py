@@ -41,6 +41,7 @@ class Job:
     dtype: str = "float32"  # both contestants' weights and activations (vision tower too)
     json_schema: dict | None = None  # the engine's outputs constrained to it (structured output)
     video: bool = False  # each request is a clip (bench.vlm.clips), not an image
+    pages: bool = False  # each image a document page (bench.vlm.pages)
 
 
 def run_in_child(fn, job: Job) -> dict:
@@ -164,7 +165,9 @@ def hf_run(job: Job) -> dict:
 
 
 def _media(job: Job) -> list:
-    return vlm.clips(job.num_images, job.seed) if job.video else vlm.images(job.num_images, job.seed)
+    if job.video:
+        return vlm.clips(job.num_images, job.seed)
+    return (vlm.pages if job.pages else vlm.images)(job.num_images, job.seed)
 
 
 def _warm_media(job: Job):

@@ -123,7 +123,20 @@ QWEN35_TEXT_DIMS = dict(
     linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=4096,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, partial_rotary_factor=0.25,
 )  # fmt: skip
-MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5")
+# The OCR benchmark model: LightOnOCR-1B's widths (a 1024-wide Pixtral tower of 14-pixel patches,
+# pages up to 1540 px; a Qwen3 language model, hidden 1024, 16 / 8 heads of 128, MLP 3072) at half
+# its depths (12 tower and 14 language-model layers, so that a 2-core run takes minutes), with the
+# benchmark vocabulary. A 1240 x 1754 page is 1088 x 1540 pixels: 2,090 image tokens.
+OCR_NAME = "lighton-ocr-like-v1"
+OCR_VISION_DIMS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+                       head_dim=64)  # fmt: skip
+OCR_TEXT_DIMS = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=14, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+)  # fmt: skip
+PAGE_SIZE = (1240, 1754)  # A4 at 150 dpi
+MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5",
+                 "bench-lighton-ocr")  # fmt: skip
 
 
 def resolve_model(model: str | None) -> str:
@@ -139,7 +152,25 @@ def resolve_model(model: str | None) -> str:
         return str(bench_qwen_model_path())
     if model == "bench-qwen3.5":
         return str(bench_qwen_model_path("qwen3_5"))
+    if model == "bench-lighton-ocr":
+        return str(bench_ocr_model_path())
     return model
+
+
+def bench_ocr_model_path() -> Path:
+    """The OCR benchmark model (LightOnOCR-shaped); built once."""
+    path = cache_dir() / OCR_NAME
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"building the OCR benchmark model into {path} (once) ...", flush=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = build_checkpoint(
+            "lighton_ocr", Path(tmp) / OCR_NAME, patch_size=14, longest_edge=1540, text_dims=OCR_TEXT_DIMS,
+            vision_dims=OCR_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0,
+        )  # fmt: skip
+        shutil.move(str(built), path)
+    return path
 
 
 def bench_qwen_model_path(version: str = "qwen2_5_vl") -> Path:
@@ -222,6 +253,25 @@ def images(n: int, seed: int) -> list[Image.Image]:
     """Generated scenes at varied sizes and aspect ratios (the preprocessing resizes them)."""
     rng = random.Random(f"bench-images-{seed}")
     return [scenes.random_scene(rng).image for _ in range(n)]
+
+
+def pages(n: int, seed: int) -> list[Image.Image]:
+    """Document-sized pages (`PAGE_SIZE`): white, a generated scene as a figure, rows of dark bars
+    for the lines of text around it."""
+    rng = random.Random(f"bench-pages-{seed}")
+    out = []
+    for _ in range(n):
+        page = np.full((PAGE_SIZE[1], PAGE_SIZE[0], 3), 250, dtype=np.uint8)
+        for top in range(120, PAGE_SIZE[1] - 120, 36):
+            left, right = 110, PAGE_SIZE[0] - 110 - rng.randrange(0, 400)
+            while left < right:
+                word = rng.randrange(30, 140)
+                page[top : top + 18, left : min(left + word, right)] = rng.randrange(0, 60)
+                left += word + 14
+        figure = np.asarray(scenes.random_scene(rng).image.convert("RGB").resize((600, 420)))
+        page[600:1020, 320:920] = figure
+        out.append(Image.fromarray(page))
+    return out
 
 
 def noise_image(seed: int, size: tuple[int, int] = (320, 240)) -> Image.Image:

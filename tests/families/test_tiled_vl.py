@@ -123,3 +123,16 @@ def test_mm_processor_kwargs(vl_family, name, ours, hf):
     with pytest.raises(ValueError, match="unknown mm_processor_kwargs option 'max_pixels'"):
         llm.generate({**mm(text, [img]), "mm_processor_kwargs": {"max_pixels": 100}}, greedy(2))
     assert_all_free(llm)
+
+
+def test_bench_offline_ocr_workload(vl_family, monkeypatch):
+    """`bench.offline --workload ocr`: document pages (1240 x 1754) against transformers."""
+    from bench import offline
+
+    monkeypatch.setenv("MM_ENGINE_BENCH_IN_PROCESS", "1")  # its runs without a spawn each
+    path, _ = vl_family("lighton_ocr")
+    res = offline.main(
+        ["--model", path, "--workload", "ocr", "--num-images", "2", "--hf-batch-size", "2", "--check", "2",
+         "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--rate-sizes", "128"]
+    )  # fmt: skip
+    assert res["tokens_identical"] == "2/2" and res["workload"] == "ocr"
