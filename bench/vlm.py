@@ -68,30 +68,26 @@ def bench_model_path(byte_level: bool = False, even_heads: bool = False) -> Path
     (structured output; the word-level one cannot). `even_heads`: 8 query and 4 KV heads of 72
     instead of 9 and 3 of 64, so that tensor parallelism can split it in 2 or 4."""
     name = NAME + ("-bytelevel" if byte_level else "") + ("-even-heads" if even_heads else "")
+    return built_once(name, "the benchmark model", lambda out: build_checkpoint(
+        "llava", out, vision="siglip", text="llama", image_size=IMAGE_SIZE, patch_size=PATCH,
+        select_strategy="full", feature_layer=-1, vision_dims=VISION_DIMS,
+        text_dims={**TEXT_DIMS, **EVEN_HEADS} if even_heads else TEXT_DIMS, vocab_size=VOCAB,
+        # Wider than the default init so greedy picks have clear margins: ties would make the
+        # engine-vs-transformers token check flaky on float rounding alone.
+        weight_scale=2.0, byte_level=byte_level,
+    ))  # fmt: skip
+
+
+def built_once(name: str, what: str, build) -> Path:
+    """The cached checkpoint `name`, built by `build(folder)` the first time (into a temporary
+    folder moved into place, so that an interrupted build leaves nothing half-written)."""
     path = cache_dir() / name
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"building the benchmark model into {path} (once) ...", flush=True)
+    print(f"building {what} into {path} (once) ...", flush=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = build_checkpoint(
-            "llava",
-            Path(tmp) / name,
-            vision="siglip",
-            text="llama",
-            image_size=IMAGE_SIZE,
-            patch_size=PATCH,
-            select_strategy="full",
-            feature_layer=-1,
-            vision_dims=VISION_DIMS,
-            text_dims={**TEXT_DIMS, **EVEN_HEADS} if even_heads else TEXT_DIMS,
-            vocab_size=VOCAB,
-            # Wider than the default init so greedy picks have clear margins: ties would make the
-            # engine-vs-transformers token check flaky on float rounding alone.
-            weight_scale=2.0,
-            byte_level=byte_level,
-        )
-        shutil.move(str(built), path)
+        shutil.move(str(build(Path(tmp) / name)), path)
     return path
 
 
@@ -132,7 +128,7 @@ OCR_VISION_DIMS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_laye
                        head_dim=64)  # fmt: skip
 OCR_TEXT_DIMS = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=14, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
 )  # fmt: skip
 PAGE_SIZE = (1240, 1754)  # A4 at 150 dpi
 MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5",
@@ -159,18 +155,10 @@ def resolve_model(model: str | None) -> str:
 
 def bench_ocr_model_path() -> Path:
     """The OCR benchmark model (LightOnOCR-shaped); built once."""
-    path = cache_dir() / OCR_NAME
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"building the OCR benchmark model into {path} (once) ...", flush=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = build_checkpoint(
-            "lighton_ocr", Path(tmp) / OCR_NAME, patch_size=14, longest_edge=1540, text_dims=OCR_TEXT_DIMS,
-            vision_dims=OCR_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0,
-        )  # fmt: skip
-        shutil.move(str(built), path)
-    return path
+    return built_once(OCR_NAME, "the OCR benchmark model", lambda out: build_checkpoint(
+        "lighton_ocr", out, patch_size=14, longest_edge=1540, text_dims=OCR_TEXT_DIMS,
+        vision_dims=OCR_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0,
+    ))  # fmt: skip
 
 
 def bench_qwen_model_path(version: str = "qwen2_5_vl") -> Path:
@@ -179,25 +167,10 @@ def bench_qwen_model_path(version: str = "qwen2_5_vl") -> Path:
         name, patch, text, vision = QWEN35_NAME, 16, QWEN35_TEXT_DIMS, QWEN35_VISION_DIMS
     else:
         name, patch, text, vision = QWEN_NAME, 14, QWEN_TEXT_DIMS, QWEN_VISION_DIMS
-    path = cache_dir() / name
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"building the {version} benchmark model into {path} (once) ...", flush=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = build_checkpoint(
-            version,
-            Path(tmp) / name,
-            patch_size=patch,
-            min_pixels=(28 * patch) ** 2,
-            max_pixels=1024 * (2 * patch) ** 2,
-            text_dims=text,
-            vision_dims=vision,
-            vocab_size=VOCAB,
-            weight_scale=2.0,
-        )
-        shutil.move(str(built), path)
-    return path
+    return built_once(name, f"the {version} benchmark model", lambda out: build_checkpoint(
+        version, out, patch_size=patch, min_pixels=(28 * patch) ** 2, max_pixels=1024 * (2 * patch) ** 2,
+        text_dims=text, vision_dims=vision, vocab_size=VOCAB, weight_scale=2.0,
+    ))  # fmt: skip
 
 
 def prompts_for(model: str):

@@ -74,8 +74,9 @@ class Admission:
         if not span.video and span.length > self.max_image_tokens:
             raise ValueError(
                 f"image {k} takes {span.length} tokens, more than max_image_tokens="
-                f"{self.max_image_tokens}; send a smaller image, lower max_pixels in "
-                "mm_processor_kwargs, or raise max_image_tokens"
+                f"{self.max_image_tokens}; raise max_image_tokens, or send a smaller image or a lower "
+                "resolution through the model's mm_processor_kwargs (max_pixels, longest_edge or "
+                "max_patches, by family)"
             )
         feat_bytes = span.num_embeds * self.bytes_per_embed
         if feat_bytes > self.encoder_cache_bytes:
