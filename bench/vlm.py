@@ -122,7 +122,7 @@ QWEN35_TEXT_DIMS = dict(
 # The OCR benchmark model: LightOnOCR-1B's widths (a 1024-wide Pixtral tower of 14-pixel patches,
 # pages up to 1540 px; a Qwen3 language model, hidden 1024, 16 / 8 heads of 128, MLP 3072) at half
 # its depths (12 tower and 14 language-model layers, so that a 2-core run takes minutes), with the
-# benchmark vocabulary. A 1240 x 1754 page is 1088 x 1540 pixels: 2,090 image tokens.
+# benchmark vocabulary. A 1240 x 1754 page is 1092 x 1540 pixels: 2,145 image tokens.
 OCR_NAME = "lighton-ocr-like-v1"
 OCR_VISION_DIMS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                        head_dim=64)  # fmt: skip
