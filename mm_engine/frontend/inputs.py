@@ -139,7 +139,7 @@ class InputProcessor:
         clips = iter([self._video(v, i, overrides) for i, v in enumerate(videos)])
         out: list[int] = []
         spans: list[ImageSpan] = []
-        dropped = _wrappers(ids, video_id, self.processing.video_wrapper)
+        dropped = _wrappers(ids, video_id, self.processing.video_wrapper) if videos else set()
         for i, tok in enumerate(ids):
             if i in dropped:
                 continue
