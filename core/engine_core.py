@@ -27,6 +27,7 @@ from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.prompt_logprobs import prompt_logprobs
 from mm_engine.core.reports import core_stats, kv_report
 from mm_engine.core.sampler import NO_TOKEN, Sampler
+from mm_engine.core.stopping import ends_after
 from mm_engine.core.structured_output import Grammars, GrammarWaitlist
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.models.loader import load_config, resolve_model_path
@@ -188,13 +189,7 @@ class EngineCore(OverlappedSteps):
         ids, spans, params = new.token_ids, new.images, new.params
         self.admission.check(ids, spans, params)
         probe = Request("probe", ids, spans, params, 0.0, -1, frozenset())
-        need = self.blocks.blocks_needed(probe, min(len(ids) + params.max_tokens, self.max_model_len))
-        for pool, n in need.items():
-            if n > self.blocks.pools[pool].num_blocks:
-                raise ValueError(
-                    f"the request needs {n} {pool}-pool blocks but the pool has only "
-                    f"{self.blocks.pools[pool].num_blocks}; raise kv_cache_memory_bytes or shorten it"
-                )
+        self.blocks.check_fits(probe, min(len(ids) + params.max_tokens, self.max_model_len))
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -297,6 +292,7 @@ class EngineCore(OverlappedSteps):
         return outputs
 
     def _append(self, req: Request, token: int, now: float, lp: TokenLogprobs | None) -> CoreOutput:
+        out = CoreOutput(req.request_id, [], num_cached_tokens=req.num_cached_tokens)
         if token == NO_TOKEN:  # its adjustments left nothing to sample: it ends, with what it has
             logger.warning(
                 "request %s: no token is allowed at output %d (the grammar, allowed_token_ids, "
@@ -304,31 +300,20 @@ class EngineCore(OverlappedSteps):
                 req.request_id, req.num_tokens - req.num_prompt_tokens,
             )  # fmt: skip
             self._finish(req, "abort")
-            return CoreOutput(
-                req.request_id, [], finish_reason="abort", num_cached_tokens=req.num_cached_tokens,
-                first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-                finished_time=req.finished_time,
-            )  # fmt: skip
-        req.token_ids.append(token)
-        out = CoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            if req.params.prompt_logprobs is not None:
-                out.prompt_logprobs, req.prompt_logprobs = [None, *req.prompt_logprobs], []
-        if lp is not None:
-            out.logprobs = [lp]
-        if req.grammar is not None:
-            req.grammar.accept(token)
-        if token in req.eos_token_ids or token in req.params.stop_token_ids:
-            out.ended_by_token = True
-            out.stop_token = token if token in req.params.stop_token_ids else None
-            self._finish(req, "stop", out.stop_token)
-        elif req.num_tokens - req.num_prompt_tokens >= req.params.max_tokens or (
-            req.num_tokens >= self.max_model_len
-        ):
-            self._finish(req, "length")
-        elif req.grammar is not None and req.grammar.terminated:  # its stop token, with ignore_eos
-            self._finish(req, "stop")
+        else:
+            req.token_ids.append(token)
+            out.new_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                if req.params.prompt_logprobs is not None:
+                    out.prompt_logprobs, req.prompt_logprobs = [None, *req.prompt_logprobs], []
+            if lp is not None:
+                out.logprobs = [lp]
+            if req.grammar is not None:
+                req.grammar.accept(token)
+            reason, out.stop_token, out.ended_by_token = ends_after(req, token, self.max_model_len)
+            if reason is not None:
+                self._finish(req, reason, out.stop_token)
         out.finish_reason = req.finish_reason
         out.first_scheduled_time, out.first_token_time = req.first_scheduled_time, req.first_token_time
         out.finished_time = req.finished_time

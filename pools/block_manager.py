@@ -79,6 +79,16 @@ class BlockManager:
         image = sum(self.image_block_flags(req)[:n_blocks])
         return {TEXT: n_blocks - image, IMAGE: image}
 
+    def check_fits(self, req: Any, num_tokens: int) -> None:
+        """Refuse (ValueError) a request whose `num_tokens` tokens need more blocks of a pool than
+        the pool has: it could never run."""
+        for pool, n in self.blocks_needed(req, num_tokens).items():
+            if n > self.pools[pool].num_blocks:
+                raise ValueError(
+                    f"the request needs {n} {pool}-pool blocks but the pool has only "
+                    f"{self.pools[pool].num_blocks}; raise kv_cache_memory_bytes or shorten it"
+                )
+
     def pool_of(self, block: int) -> BlockPool:
         return self.pools[IMAGE] if block in self.pools[IMAGE] else self.pools[TEXT]
 

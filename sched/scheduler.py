@@ -29,15 +29,16 @@ must be written before any of its queries runs), before an image it would otherw
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from mm_engine.pools.block_manager import IMAGE, BlockManager
 from mm_engine.pools.state_pool import StatePool
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.batch import ScheduledBatch
+from mm_engine.sched.chunks import not_inside_an_image
 from mm_engine.sched.policy import Policy, outranks
 from mm_engine.sched.step_costs import StepCosts, StepShape
+from mm_engine.sched.step_pass import StepPass
 from mm_engine.sched.victims import choose_victims
 from mm_engine.sched.waiting_queue import WaitingQueue
 from mm_engine.vision.encoder_cache import EncoderCache
@@ -45,24 +46,6 @@ from mm_engine.vision.encoder_cache import EncoderCache
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting_requests`: try again later."""
-
-
-@dataclass(slots=True)
-class _Pass:
-    """One `schedule()` call's working state; it ends with the call."""
-
-    batch: ScheduledBatch
-    budget: int  # tokens left this step
-    encoder_left: int  # image tokens the tower may still encode this step
-    scheduled: set[str] = field(default_factory=set)
-    preempted: set[str] = field(default_factory=set)  # preempted in this step: they wait at least one
-    # Prompt blocks that requests scheduled so far in this step are computing: a waiting request
-    # (ranked below them) about to compute the same block waits for it to land in the prefix cache.
-    in_flight: set[bytes] = field(default_factory=set)
-    admitting: str | None = None  # a swapped request being admitted (see _admit)
-    reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
-    one_image_free: bool = False  # a capped step still encodes one image, whatever its size
-    encode_weight: float = 0.0  # budget tokens one encoded image token takes (a time-bounded step)
 
 
 class Scheduler:
@@ -119,7 +102,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
-        p = _Pass(batch, self.max_num_batched_tokens, self.encoder_budget)
+        p = StepPass(batch, self.max_num_batched_tokens, self.encoder_budget)
         ranks = self._ranks
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         running = list(self.running)
@@ -146,7 +129,7 @@ class Scheduler:
                     else:
                         nxt = None  # waiting requests never overtake each other
                     continue
-                released = self._release(running[i], p)  # its set-aside token, to take now
+                released = p.release(running[i].request_id)  # its set-aside token, to take now
                 self._schedule_running(running[i], p)
                 if released and running[i].request_id not in p.scheduled:
                     p.budget = max(0, p.budget - 1)  # not taken (it gave way): not a prefill's either
@@ -156,7 +139,7 @@ class Scheduler:
             batch.copies = self.blocks.take_copies()  # the partial prompt blocks copied on admission
         return batch
 
-    def _cap_for_decodes(self, p: _Pass) -> None:
+    def _cap_for_decodes(self, p: StepPass) -> None:
         """Bound the prefill and encoder work a step with running decodes adds (module docstring)."""
         cap, enc = self.decode_step_prefill_tokens, p.encoder_left
         costs = self.costs.fitted() if self.step_time_factor is not None else None
@@ -176,23 +159,14 @@ class Scheduler:
         decodes = batch.num_decodes
         self.costs.observe(StepShape(decodes, batch.num_tokens - decodes, batch.encoder_tokens), seconds)
 
-    @staticmethod
-    def _release(req: Request, p: _Pass) -> bool:
-        """Give a decode's set-aside token back to the budget, for it to take now."""
-        if req.request_id in p.reserved:
-            p.reserved.discard(req.request_id)
-            p.budget += 1
-            return True
-        return False
-
-    def _chunk(self, req: Request, p: _Pass) -> tuple[int, int]:
+    def _chunk(self, req: Request, p: StepPass) -> tuple[int, int]:
         """Tokens this request may compute now, and the image tokens to encode for them."""
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, p.budget)
         if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image to encode
             return n, 0
         if self.whole_images:
-            n = self._not_inside_an_image(req, start, n)
+            n = not_inside_an_image(req, start, n)
         cost = 0
         for j, span in enumerate(req.images):
             if span.offset >= start + n:
@@ -210,23 +184,7 @@ class Scheduler:
             cost += span.num_embeds
         return n, cost
 
-    @staticmethod
-    def _not_inside_an_image(req: Request, start: int, n: int) -> int:
-        """`n` cut so that the chunk does not end inside an image: to the image's start, or to
-        nothing when the chunk would start there (the image then waits for a step whose budget
-        holds it whole; `check_fits` made sure one can)."""
-        end = start + n
-        if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image ahead
-            return n
-        for span in req.images:
-            if span.offset + span.length <= start or span.offset >= end:
-                continue
-            for lo, hi in span.embed_runs():  # a pan-and-scan image may split between its crops
-                if lo < end < hi:
-                    return max(0, lo - start)
-        return n
-
-    def _take(self, req: Request, n: int, cost: int, p: _Pass) -> None:
+    def _take(self, req: Request, n: int, cost: int, p: StepPass) -> None:
         batch = p.batch
         batch.items.append((req, n))
         # (Encoding may spend more than is left: one image always goes. Never below zero.)
@@ -256,7 +214,7 @@ class Scheduler:
                 self._straddling[req.request_id] = j
         p.in_flight.update(self.blocks.pending_prompt_hashes(req))
 
-    def _schedule_running(self, req: Request, p: _Pass) -> None:
+    def _schedule_running(self, req: Request, p: StepPass) -> None:
         n, cost = self._chunk(req, p)
         if n == 0:
             return
@@ -272,7 +230,7 @@ class Scheduler:
                 return
         self._take(req, n, cost, p)
 
-    def _candidates(self, p: _Pass, stop_at: Request | None = None, outranked_by: tuple | None = None):
+    def _candidates(self, p: StepPass, stop_at: Request | None = None, outranked_by: tuple | None = None):
         """Running requests not yet scheduled this step, lowest rank first, down to `stop_at` (or
         while `outranked_by` outranks them)."""
         for r in reversed(self.running):
@@ -285,7 +243,7 @@ class Scheduler:
                 return
             yield r
 
-    def _admit(self, req: Request, rank: tuple, now: float, p: _Pass) -> bool:
+    def _admit(self, req: Request, rank: tuple, now: float, p: StepPass) -> bool:
         """Admit `req` if it fits; returns whether the requests behind it may still be admitted."""
         swapped = self.swap is not None and self.swap.has(req.request_id)
         cached = 0
@@ -337,7 +295,7 @@ class Scheduler:
 
     # ---- leaving the batch ---------------------------------------------------------------------
 
-    def preempt(self, req: Request, p: _Pass | None = None) -> None:
+    def preempt(self, req: Request, p: StepPass | None = None) -> None:
         """Free a running request's blocks (swapping its KV to host if asked) and make it wait;
         within a `schedule()` pass `p`, it waits at least until the next step."""
         self.running.remove(req)

@@ -1,0 +1,34 @@
+"""The working state of one `Scheduler.schedule()` call (sched/scheduler.py): the step's batch
+as it grows, the token and encoder budgets left, and what was scheduled, preempted or set aside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mm_engine.sched.batch import ScheduledBatch
+
+
+@dataclass(slots=True)
+class StepPass:
+    """One `schedule()` call's working state; it ends with the call."""
+
+    batch: ScheduledBatch
+    budget: int  # tokens left this step
+    encoder_left: int  # image tokens the tower may still encode this step
+    scheduled: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)  # preempted in this step: they wait at least one
+    # Prompt blocks that requests scheduled so far in this step are computing: a waiting request
+    # (ranked below them) about to compute the same block waits for it to land in the prefix cache.
+    in_flight: set[bytes] = field(default_factory=set)
+    admitting: str | None = None  # a swapped request being admitted (see _admit)
+    reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
+    one_image_free: bool = False  # a capped step still encodes one image, whatever its size
+    encode_weight: float = 0.0  # budget tokens one encoded image token takes (a time-bounded step)
+
+    def release(self, request_id: str) -> bool:
+        """Give a decode's set-aside token back to the budget, for it to take now."""
+        if request_id in self.reserved:
+            self.reserved.discard(request_id)
+            self.budget += 1
+            return True
+        return False
