@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from litestar import Request
 
@@ -14,10 +12,7 @@ from mm_engine.api.errors import APIError
 from mm_engine.api.media import MediaFetcher
 from mm_engine.api.metrics import Metrics
 from mm_engine.api.settings import ServerSettings
-from mm_engine.api.streaming import until_disconnect
 from mm_engine.async_llm import AsyncLLM
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -39,10 +34,6 @@ class ServerContext:
         raise APIError(
             404, f"the model {requested[:200]!r} does not exist", param="model", code="model_not_found"
         )
-
-    async def run(self, request: Request, awaitable: Awaitable[T]) -> T:
-        """Await `awaitable` unless the client disconnects first (then it is cancelled)."""
-        return await until_disconnect(request, awaitable)
 
 
 def get_ctx(request: Request) -> ServerContext:

@@ -16,11 +16,11 @@ from litestar import Request, post
 from litestar.enums import RequestEncodingType
 from litestar.params import Body
 
+from mm_engine.api.caller import HttpCaller
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
 from mm_engine.api.limits import (
     check_image_count,
-    check_priority,
     check_stop,
     check_video_count,
     fit_max_tokens,
@@ -91,7 +91,8 @@ async def create_caption(
     if too_big is not None:
         message = f"a video part is {too_big} bytes, over the limit of {settings.max_video_bytes}"
         raise APIError(400, message, param="video")
-    priority = check_priority(data.priority, settings)
+    caller = HttpCaller(request, ctx.clients)
+    priority = caller.priority(data.priority, settings)
     fields = dict(
         temperature=data.temperature,
         top_p=data.top_p,
@@ -115,12 +116,12 @@ async def create_caption(
                                 settings, "max_tokens", "prompt")  # fmt: skip
     params = sampling_params(**fields, max_tokens=max_tokens)
     rid = f"caption-{uuid.uuid4().hex}"
-    (gen,) = ctx.clients.hold(request, [ctx.llm.generate(inputs, params, rid, priority, arrival)])
+    (gen,) = caller.hold([ctx.llm.generate(inputs, params, rid, priority, arrival)])
     head = _Head(rid, int(arrival), model)
     with client_errors(None):
         if not data.stream:
-            return head.response(await ctx.run(request, last_output(gen)))
-        first = await ctx.run(request, anext(gen))
+            return head.response(await caller.run(last_output(gen)))
+        first = await caller.run(anext(gen))
     return sse_response(_events(ctx, head, first, gen))
 
 

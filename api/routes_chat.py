@@ -7,15 +7,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from litestar import Request, post
+from litestar import Request, Response, post
 from litestar.params import JSONBody
 from msgspec import UNSET
 
+from mm_engine.api.caller import Caller, HttpCaller
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
 from mm_engine.api.limits import (
     check_image_count,
-    check_priority,
     check_video_count,
     fit_max_tokens,
     request_fields,
@@ -127,11 +127,18 @@ async def create_chat_completion(
     request: Request, data: JSONBody[ChatCompletionRequest]
 ) -> ChatCompletionResponse:  # or a Stream of server-sent events
     ctx = get_ctx(request)
+    return await chat_completion(ctx, data, HttpCaller(request, ctx.clients))
+
+
+async def chat_completion(
+    ctx: ServerContext, data: ChatCompletionRequest, caller: Caller
+) -> ChatCompletionResponse | Response:
+    """The answer to a chat request (a Stream when it asks for one), for an HTTP client or a batch line."""
     arrival = time.time()
     settings = ctx.settings
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
-    priority = check_priority(data.priority, settings)
+    priority = caller.priority(data.priority, settings)
     requested = data.max_completion_tokens or data.max_tokens
     structured = structured_outputs_of(data, data.response_format)
     tools = plan_tools(data, ctx.llm.model_info.tool_format)
@@ -158,7 +165,7 @@ async def create_chat_completion(
                                 settings, param, "messages")  # fmt: skip
     params = sampling_params(**fields, max_tokens=max_tokens, min_tokens=data.min_tokens)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = ctx.clients.hold(request, [
+    streams = caller.hold([
         ctx.llm.generate(inputs, child, rid if data.n == 1 else f"{rid}-{j}", priority, arrival)
         for j, child in enumerate(params.children())
     ])  # fmt: skip
@@ -166,9 +173,9 @@ async def create_chat_completion(
                  (data.top_logprobs or 0) if data.logprobs else None, tools)  # fmt: skip
     with client_errors(None):
         if not data.stream:
-            return head.response(await ctx.run(request, all_last(streams)))
+            return head.response(await caller.run(all_last(streams)))
         merge = merged(streams)
-        first = await ctx.run(request, anext(merge))
+        first = await caller.run(anext(merge))
     return sse_response(_events(ctx, head, first, merge, data.n))
 
 

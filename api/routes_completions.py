@@ -7,10 +7,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from litestar import Request, post
+from litestar import Request, Response, post
 from litestar.params import JSONBody
 from msgspec import UNSET
 
+from mm_engine.api.caller import Caller, HttpCaller
 from mm_engine.api.completions_schemas import (
     CompletionChoice,
     CompletionChunk,
@@ -25,7 +26,6 @@ from mm_engine.api.completions_schemas import (
 from mm_engine.api.context import ServerContext, get_ctx
 from mm_engine.api.errors import APIError, client_errors
 from mm_engine.api.limits import (
-    check_priority,
     fit_max_tokens,
     request_fields,
     sampling_params,
@@ -88,11 +88,19 @@ async def create_completion(
     request: Request, data: JSONBody[CompletionRequest]
 ) -> CompletionResponse:  # or a Stream of server-sent events
     ctx = get_ctx(request)
+    return await completion(ctx, data, HttpCaller(request, ctx.clients))
+
+
+async def completion(
+    ctx: ServerContext, data: CompletionRequest, caller: Caller
+) -> CompletionResponse | Response:
+    """The answer to a completions request (a Stream when it asks for one), for an HTTP client or a
+    batch line."""
     arrival = time.time()
     settings = ctx.settings
     model = ctx.model_name(data.model)
     _refuse_unsupported(data)
-    priority = check_priority(data.priority, settings)
+    priority = caller.priority(data.priority, settings)
     prompts = _prompts(data.prompt, settings)
     if len(prompts) * data.n > settings.max_sequences_per_request:
         message = (f"{len(prompts)} prompts x n={data.n} is {len(prompts) * data.n} sequences, more than "
@@ -117,14 +125,14 @@ async def create_completion(
             inputs_all.append(echoed)
             gens.append((inputs, child))
     echo = inputs_all
-    streams = ctx.clients.hold(
-        request, [ctx.llm.generate(x, p, f"{rid}-{i}", priority, arrival) for i, (x, p) in enumerate(gens)]
+    streams = caller.hold(
+        [ctx.llm.generate(x, p, f"{rid}-{i}", priority, arrival) for i, (x, p) in enumerate(gens)]
     )
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     head = _Head(rid, int(arrival), model, include_usage, echo, data.logprobs, data.n)
     with client_errors(None):
         if not data.stream:
-            outs = await ctx.run(request, all_last(streams))
+            outs = await caller.run(all_last(streams))
             if data.logprobs is not None:
                 head.offsets = [
                     await _token_offsets(ctx, out.outputs[0].token_ids, len(e))

@@ -108,9 +108,9 @@ class EngineCore(OverlappedSteps):
             whole_images=self.model.bidirectional_images,
             refused_tokens=tuple(self.model.refused_tokens.items()),
         )
-        policy = make_policy(
-            config.scheduling_policy, config.image_priority_boost, config.max_wait_s, config.preemption_margin
-        )
+        c = config
+        policy = make_policy(c.scheduling_policy, c.image_priority_boost, c.max_wait_s, c.preemption_margin,
+                             c.background_priority)  # fmt: skip
         swap = config.preemption_mode == "swap"  # (under TP each worker repeats the swaps)
         self.swap = HostSwap(self.kv, config.swap_space_bytes, self.parallel, self.states) if swap else None
         self.scheduler = Scheduler(

@@ -69,6 +69,9 @@ class EngineConfig:
     image_priority_boost: float = 0.5  # how far an image request goes ahead of text of equal priority
     max_wait_s: float = 30.0  # a request waiting this long goes ahead of everyone who waited less
     preemption_margin: float = 1.0  # rank a waiting request must beat a running one by to preempt it
+    # Requests at this priority or above are background work (the batch API's): they never age
+    # ahead of others, go after every other request and are preempted first. None: no such tier.
+    background_priority: int | None = 10
     # Each step sets aside a token for every running decode before better-ranked prefills are
     # admitted (vLLM's order); False: strict rank order, where a new image prefill may take the
     # whole step and running streams wait for it.

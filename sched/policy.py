@@ -2,8 +2,11 @@
 
 A rank is `(tier, score, arrival_time, seq_no)`, lower first. Tier 0 holds requests that have
 waited `max_wait_s` or longer: they go ahead of everyone else, which is what bounds starvation.
-Within a tier, a lower score goes first. A waiting request may preempt a running one when it is in
-a better tier, or in the same tier with a score lower by at least `preemption_margin`.
+Tier 2 holds background work (a priority at or above `background_priority`: batch API requests):
+it never ages into tier 0 and goes after every other request, so it fills idle capacity and is
+preempted first. Within a tier, a lower score goes first. A waiting request may preempt a running
+one when it is in a better tier, or in the same tier with a score lower by at least
+`preemption_margin`.
 
 Waiting time counts from arrival to first admission and then stops, so a request keeps the place it
 earned when it is preempted and comes back.
@@ -14,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 Rank = tuple[int, float, float, int]
+BACKGROUND = 2  # the tier of background work
 
 
 class Policy(Protocol):
@@ -30,6 +34,10 @@ class Policy(Protocol):
         ...
 
 
+def is_background(req: Any, background_priority: int | None) -> bool:
+    return background_priority is not None and req.priority >= background_priority
+
+
 def waited(req: Any, now: float) -> float:
     end = req.first_scheduled_time if req.first_scheduled_time is not None else now
     return max(0.0, end - req.arrival_time)
@@ -41,11 +49,16 @@ class FCFSPolicy:
     name = "fcfs"
     preemption_margin = float("inf")
 
+    def __init__(self, background_priority: int | None = None) -> None:
+        self.background_priority = background_priority
+
     def rank(self, req: Any, now: float) -> Rank:
-        return (1, 0.0, req.arrival_time, req.seq_no)
+        tier = BACKGROUND if is_background(req, self.background_priority) else 1
+        return (tier, 0.0, req.arrival_time, req.seq_no)
 
     def heap_keys(self, req: Any) -> list[tuple[str, tuple]]:
-        return [("arrival", (req.arrival_time, req.seq_no))]
+        name = "background" if is_background(req, self.background_priority) else "arrival"
+        return [(name, (req.arrival_time, req.seq_no))]
 
 
 class PriorityPolicy:
@@ -60,15 +73,20 @@ class PriorityPolicy:
     name = "priority"
 
     def __init__(
-        self, image_priority_boost: float = 0.5, max_wait_s: float = 30.0, preemption_margin: float = 1.0
-    ) -> None:
+        self, image_priority_boost: float = 0.5, max_wait_s: float = 30.0, preemption_margin: float = 1.0,
+        background_priority: int | None = None,
+    ) -> None:  # fmt: skip
         if image_priority_boost < 0 or max_wait_s <= 0 or preemption_margin <= 0:
             raise ValueError("image_priority_boost must be >= 0, max_wait_s and preemption_margin > 0")
         self.image_priority_boost = image_priority_boost
         self.max_wait_s = max_wait_s
         self.preemption_margin = preemption_margin
+        self.background_priority = background_priority
 
     def rank(self, req: Any, now: float) -> Rank:
+        if is_background(req, self.background_priority):  # no aging: it waits for idle capacity
+            boost = self.image_priority_boost if req.has_images else 0.0
+            return (BACKGROUND, req.priority - boost, req.arrival_time, req.seq_no)
         wait = waited(req, now)
         if wait >= self.max_wait_s:
             # Starved: oldest first, whatever the priority or modality, so the wait stays bounded
@@ -81,6 +99,8 @@ class PriorityPolicy:
     def heap_keys(self, req: Any) -> list[tuple[str, tuple]]:
         if req.first_scheduled_time is not None:  # its wait stopped counting: so did its rank
             return [("frozen", self.rank(req, 0.0))]
+        if is_background(req, self.background_priority):  # its rank never changes
+            return [("background", self.rank(req, 0.0))]
         # Never scheduled: the starving ones are the oldest (by arrival); the rest are ranked by
         # score = priority - boost - k * (now - arrival), whose order does not depend on `now`.
         boost = self.image_priority_boost if req.has_images else 0.0
@@ -97,10 +117,11 @@ def outranks(policy: Policy, a: Rank, b: Rank) -> bool:
 
 
 def make_policy(
-    name: str, image_priority_boost: float = 0.5, max_wait_s: float = 30.0, preemption_margin: float = 1.0
-) -> Policy:
+    name: str, image_priority_boost: float = 0.5, max_wait_s: float = 30.0, preemption_margin: float = 1.0,
+    background_priority: int | None = None,
+) -> Policy:  # fmt: skip
     if name == "fcfs":
-        return FCFSPolicy()
+        return FCFSPolicy(background_priority)
     if name == "priority":
-        return PriorityPolicy(image_priority_boost, max_wait_s, preemption_margin)
+        return PriorityPolicy(image_priority_boost, max_wait_s, preemption_margin, background_priority)
     raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {name!r}")

@@ -146,3 +146,29 @@ def test_queue_full_is_refused_clearly_online_and_waited_out_offline(clip_llama)
     outs = llm.generate([text_prompt(w) for w in "abcdefg"], SamplingParams(temperature=0, max_tokens=2))
     assert len(outs) == 7 and all(o.finished for o in outs)
     assert not engine.core.requests and llm.kv_report()["text"]["used_blocks"] == 0
+
+
+def test_background_requests_never_age_ahead_and_are_preempted_first(clip_llama):
+    """Batch API work (priority at or above `background_priority`) fills idle seats, goes after a
+    foreground request however long it has waited, and gives its seat to one that arrives."""
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_num_seqs=1, max_wait_s=0.001, background_priority=10)
+    engine = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    batch = [engine.add_request(image_prompt(s), long, priority=10) for s in (3, 4)]
+    engine.step()
+    assert [r.request_id for r in engine.core.scheduler.running] == batch[:1]
+    # A text request of priority 9 would not outrank a running image one of priority 10 by the
+    # margin; a foreground one does, because background is a tier below.
+    fg = engine.add_request(text_prompt("tell me"), SamplingParams(temperature=0, max_tokens=3), priority=9)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    # The waiting background request had waited far past max_wait_s, and still went after it.
+    assert list(outs)[0] == fg
+    assert engine.core.scheduler.num_preemptions >= 1
+    alone = LLM(clip_llama, kv_cache_memory_bytes=KV)
+    for rid, seed in zip(batch, (3, 4), strict=True):
+        want = alone.generate(image_prompt(seed), long)[0].outputs[0].token_ids
+        assert outs[rid].outputs[0].token_ids == want
+    report = llm.kv_report()
+    assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0

@@ -32,9 +32,10 @@ def _request(seq: int, priority: int, image: bool, arrival: float) -> Request:
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=OPS, priority_policy=st.booleans())
-def test_rank_order_equals_a_full_sort(ops, priority_policy):
-    policy = PriorityPolicy(0.5, 30.0, 1.0) if priority_policy else FCFSPolicy()
+@given(ops=OPS, priority_policy=st.booleans(), background=st.sampled_from([None, 2]))
+def test_rank_order_equals_a_full_sort(ops, priority_policy, background):
+    """Priorities 0-3; with `background=2`, priorities 2 and 3 are background work (a tier of their own)."""
+    policy = PriorityPolicy(0.5, 30.0, 1.0, background) if priority_policy else FCFSPolicy(background)
     queue, live, seq, now = WaitingQueue(policy), {}, itertools.count(), 0.0
     for op in ops:
         if op[0] == "add":
