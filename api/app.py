@@ -10,6 +10,7 @@ without one gets a fresh registry whose request series stay at zero, and a warni
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -23,9 +24,11 @@ from mm_engine.api.errors import EXCEPTION_HANDLERS
 from mm_engine.api.media import MediaFetcher
 from mm_engine.api.metrics import Metrics
 from mm_engine.api.request_id import request_id_middleware
+from mm_engine.api.routes_batches import cancel_batch, create_batch, list_batches, retrieve_batch
 from mm_engine.api.routes_caption import create_caption
 from mm_engine.api.routes_chat import create_chat_completion
 from mm_engine.api.routes_completions import create_completion, detokenize, tokenize
+from mm_engine.api.routes_files import create_file, delete_file, file_content, list_files, retrieve_file
 from mm_engine.api.routes_misc import health, health_head, list_models, metrics, playground, retrieve_model
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
@@ -33,7 +36,8 @@ from mm_engine.async_llm import AsyncLLM
 logger = logging.getLogger("mm_engine.api")
 
 ROUTES = [create_caption, create_chat_completion, create_completion, tokenize, detokenize, list_models,
-          retrieve_model, health, health_head, metrics, playground]  # fmt: skip
+          retrieve_model, health, health_head, metrics, playground, create_file, list_files, retrieve_file,
+          file_content, delete_file, create_batch, list_batches, retrieve_batch, cancel_batch]  # fmt: skip
 
 
 def create_app(
@@ -54,6 +58,16 @@ def create_app(
     )
     clients = ClientSequences(settings.max_sequences_per_client, settings.retry_after_seconds)
     ctx = ServerContext(llm, settings, metrics_, fetcher, clients)
+    starts, stops = [], [fetcher.aclose]
+    if settings.batch_dir is not None:
+        from mm_engine.batch.runner import BatchRunner
+
+        ctx.batches = BatchRunner(ctx, Path(settings.batch_dir), priority=settings.batch_priority,
+                                  max_in_flight=settings.batch_max_in_flight,
+                                  max_line_bytes=settings.max_body_bytes)  # fmt: skip
+        if settings.api_server_index == 0:  # one runner per batch folder; every server answers routes
+            starts.append(ctx.batches.start)
+            stops.insert(0, ctx.batches.stop)
     return Litestar(
         route_handlers=ROUTES,
         state=State({"ctx": ctx}),
@@ -69,7 +83,8 @@ def create_app(
             # The schema as JSON and YAML only: the HTML viewers load their scripts from a CDN.
             render_plugins=[JsonRenderPlugin(), YamlRenderPlugin()],
         ),
-        on_shutdown=[fetcher.aclose],
+        on_startup=starts,
+        on_shutdown=stops,
         logging_config=None,  # the server (uvicorn) owns logging; Litestar's would reset it
         debug=False,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from litestar import Request
 
@@ -14,6 +15,9 @@ from mm_engine.api.metrics import Metrics
 from mm_engine.api.settings import ServerSettings
 from mm_engine.async_llm import AsyncLLM
 
+if TYPE_CHECKING:
+    from mm_engine.batch.runner import BatchRunner
+
 
 @dataclass(slots=True)
 class ServerContext:
@@ -23,6 +27,7 @@ class ServerContext:
     fetcher: MediaFetcher
     clients: ClientSequences = field(default_factory=lambda: ClientSequences(0))
     created: int = field(default_factory=lambda: int(time.time()))
+    batches: BatchRunner | None = None  # the batch API's files, batches and runner (None: off)
 
     def model_name(self, requested: str | None) -> str:
         """The served name a request asked for (the first one when it names none), else 404."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
@@ -20,8 +21,14 @@ logger = logging.getLogger("mm_engine.api")
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains the engine before shutting down."""
 
-    def __init__(self, config: uvicorn.Config, llm, shutdown_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, llm, shutdown_timeout: float,
+        before_drain: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:  # fmt: skip
+        """`before_drain`: what stops first (the batch runner: its requests are background work,
+        resumed on the next start, not running requests to wait for)."""
         super().__init__(config)
+        self.before_drain = before_drain
         self.llm = llm
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -46,6 +53,8 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
+        if self.before_drain is not None:
+            await self.before_drain()
         await self.llm.drain(self.shutdown_timeout)
         # Let the handlers of aborted requests send their answers before connections close.
         for _ in range(40):

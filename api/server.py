@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 
 from mm_engine.api.settings import ServerSettings
+from mm_engine.batch.args import add_batch_args, batch_settings
 
 _D = ServerSettings()
 
@@ -131,6 +132,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests whose text and images weigh at most this many bytes have "
                    "input workers of their own, so big ones cannot stall them")  # fmt: skip
 
+    add_batch_args(p)
+
 
 def add_serve_parser(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `serve` to the `mm-engine` command; `add_engine_args` adds the engine flags."""
@@ -176,6 +179,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         allow_client_priority=args.allow_client_priority,
         allowed_hosts=tuple(_listed(args.allowed_hosts)),
         allowed_origins=tuple(_listed(args.allowed_origins)),
+        **batch_settings(args),
     )
 
 
@@ -280,7 +284,9 @@ def serve_on(
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = DrainingServer(uv_config, llm, settings.shutdown_timeout)
+    batches = app.state.ctx.batches
+    stop_batches = batches.stop if batches is not None and settings.api_server_index == 0 else None
+    server = DrainingServer(uv_config, llm, settings.shutdown_timeout, before_drain=stop_batches)
     exit_.server = server
     if on_start is not None:
         on_start(server)

@@ -50,6 +50,12 @@ class ServerSettings:
     allow_client_priority: bool = False  # else a request that sets `priority` is refused
     allowed_hosts: tuple[str, ...] = ()  # Host names answered (empty: any), against DNS rebinding
     allowed_origins: tuple[str, ...] = ()  # other sites' origins whose browsers may post to us
+    # The batch API (/v1/files, /v1/batches): off without a folder (`mm-engine serve` gives one).
+    batch_dir: str | None = None
+    max_batch_file_bytes: int = 200 * MiB  # one uploaded file of requests
+    max_batch_storage_bytes: int = 20 * 1024 * MiB  # everything the batch folder holds
+    batch_priority: int = 10  # a batch line's priority (10: the engine's default background tier)
+    batch_max_in_flight: int = 32  # sequences the batch API has in the engine at once
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -69,6 +75,9 @@ class ServerSettings:
             "light_input_bytes",
             "max_prompts_per_request",
             "max_sequences_per_request",
+            "max_batch_file_bytes",
+            "max_batch_storage_bytes",
+            "batch_max_in_flight",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

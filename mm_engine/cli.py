@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 
 from mm_engine.api.server import add_serve_parser
+from mm_engine.batch.offline import add_run_batch_parser
 from mm_engine.config import EngineConfig
 from mm_engine.jobs.caption_cli import add_caption_parser
 
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=cmd_env)
     add_caption_parser(sub, add_engine_args)
     add_serve_parser(sub, add_engine_args)
+    add_run_batch_parser(sub, add_engine_args)
     return parser
 
 

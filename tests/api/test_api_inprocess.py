@@ -194,6 +194,20 @@ def test_models_health_metrics_openapi(client):
     platform = health.json()["platform"]  # which CPU kernels serve: the widest variant cpuid allows
     assert platform["device"] == "cpu" and platform["attention_backend"] == "cpu"
     assert platform["cpu_variant"] in ("avx512", "avx2", "portable") and "decode" in platform["cpu_kernels"]
+    # One request of each kind here (the test must not lean on others having run first on this
+    # worker); the process engine's stats reach the server a moment after its outputs.
+    client.post("/v1/caption", files=[("image", ("a.png", image_bytes(2)))], data={"max_tokens": "3"})
+    client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    )
+
+    def seen(kind: str) -> bool:
+        return (
+            metric(client.get("/metrics").text, "mm_engine:inter_token_latency_seconds_count", modality=kind)
+            > 0
+        )
+
+    wait_until(lambda: seen("image") and seen("text"), what="both kinds in the metrics")
     text = client.get("/metrics").text
     kernels = ",".join(platform["cpu_kernels"])
     labels = {"variant": platform["cpu_variant"], "kernels": kernels, "attention_backend": "cpu"}

@@ -109,6 +109,8 @@ class ServerProcess:
 def run_server(model: str, *flags: str, timeout: float = 120.0) -> Iterator[ServerProcess]:
     """`python -m mm_engine.api.server MODEL --port 0 ...`; yields once /health answers 200."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"}
+    if "--batch-dir" not in flags:  # not the user's cache: tests that need batches give a folder
+        flags = (*flags, "--batch-dir", "none")
     cmd = [sys.executable, "-m", "mm_engine.api.server", model, "--port", "0", "--log-level", "warning"]
     proc = subprocess.Popen(
         [*cmd, "--no-access-log", *ENGINE_FLAGS, *flags],
