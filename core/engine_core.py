@@ -126,8 +126,9 @@ class EngineCore(OverlappedSteps):
             decode_first=config.decode_first,
             decode_step_prefill_tokens=config.prefill_cap(self.device.type),
             states=self.states,
-            step_time_factor=config.step_time_factor,
-        )
+            step_time_factor=config.step_time_factor, background_step_tokens=config.background_step_tokens,
+            background_prefill_tokens=config.background_prefill_tokens,
+        )  # fmt: skip
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
         self.runner = ModelRunner(

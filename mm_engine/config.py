@@ -72,6 +72,12 @@ class EngineConfig:
     # Requests at this priority or above are background work (the batch API's): they never age
     # ahead of others, go after every other request and are preempted first. None: no such tier.
     background_priority: int | None = 10
+    # In a step that runs foreground work, background requests compute at most this many tokens
+    # (0: they wait for a step with none), so a batch never slows interactive streams down.
+    background_step_tokens: int = 0
+    # A step of background work alone adds at most this many prefill tokens (and one image), so a
+    # request arriving while a batch runs waits for one short step.
+    background_prefill_tokens: int = 256
     # Each step sets aside a token for every running decode before better-ranked prefills are
     # admitted (vLLM's order); False: strict rank order, where a new image prefill may take the
     # whole step and running streams wait for it.
@@ -183,6 +189,10 @@ class EngineConfig:
             raise ValueError(f"max_image_tokens must be at least 1, got {self.max_image_tokens}")
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError("mm_processor_kwargs must be a dict of processor options")
+        if self.background_step_tokens < 0 or self.background_prefill_tokens < 1:
+            raise ValueError(
+                "background_step_tokens must be at least 0 and background_prefill_tokens at least 1"
+            )
         for name in ("encoder_cache_bytes", "max_waiting_requests", "ipc_pixel_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -21,6 +21,9 @@ a block of prefill, or one image, so that waiting requests always move).
   being computed in this step by one ranked above it (the second question about an image that the
   first is prefilling) waits a step, so that it reuses those blocks instead of computing them
   again, and lets the ones behind it go ahead.
+Background work (batch requests, ranked after everything else) gets no set-aside token, and after
+foreground work in a step at most `background_step_tokens` (default 0: only steps without any);
+a step of background work alone adds at most `background_prefill_tokens` of prefill (and one image).
 A chunk also stops before an image that the per-step encoder budget cannot encode, and, with
 `whole_images` (Gemma 3: an image's tokens attend to each other in both directions, so all its keys
 must be written before any of its queries runs), before an image it would otherwise split.
@@ -36,7 +39,7 @@ from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.batch import ScheduledBatch
 from mm_engine.sched.chunks import not_inside_an_image
-from mm_engine.sched.policy import Policy, outranks
+from mm_engine.sched.policy import BACKGROUND, Policy, outranks
 from mm_engine.sched.step_costs import StepCosts, StepShape
 from mm_engine.sched.step_pass import StepPass
 from mm_engine.sched.victims import choose_victims
@@ -64,6 +67,8 @@ class Scheduler:
         decode_step_prefill_tokens: int | None = None,
         states: StatePool | None = None,
         step_time_factor: float | None = None,
+        background_step_tokens: int = 0,
+        background_prefill_tokens: int = 256,
     ) -> None:
         """`states`: a hybrid model's recurrent-state pool; every running request holds a slot,
         so at most `min(max_num_seqs, slots)` run at once."""
@@ -80,6 +85,8 @@ class Scheduler:
         self.decode_first = decode_first
         self.decode_step_prefill_tokens = decode_step_prefill_tokens
         self.step_time_factor = step_time_factor
+        self.background_step_tokens = background_step_tokens
+        self.background_prefill_tokens = background_prefill_tokens
         self.costs = StepCosts()  # learned from `observe_step`; used with `step_time_factor`
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []  # in rank order at the start of each step
@@ -107,6 +114,8 @@ class Scheduler:
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         running = list(self.running)
         for req in running if self.decode_first else ():
+            if ranks[req.request_id][0] == BACKGROUND:
+                break  # (ranked last) background decodes take what foreground work leaves
             if len(p.reserved) < p.budget and req.num_tokens - req.num_computed_tokens == 1:
                 p.reserved.add(req.request_id)
         p.budget -= len(p.reserved)
@@ -122,7 +131,14 @@ class Scheduler:
                 if i < len(running) and running[i].request_id in p.preempted:
                     i += 1  # preempted earlier in this step: it waits at least one step
                     continue
-                if nxt is not None and (i == len(running) or nxt_rank < ranks[running[i].request_id]):
+                take_waiting = nxt is not None and (
+                    i == len(running) or nxt_rank < ranks[running[i].request_id]
+                )
+                rank = nxt_rank if take_waiting else ranks[running[i].request_id]
+                if rank[0] == BACKGROUND and not p.background:
+                    decodes = [r.request_id for r in running[i:] if r.num_tokens - r.num_computed_tokens == 1]
+                    p.enter_background(self.background_step_tokens, self.background_prefill_tokens, decodes)
+                if take_waiting:
                     if nxt.request_id in p.preempted or self._admit(nxt, nxt_rank, now, p):
                         nxt = next(waiting, None)
                         nxt_rank = None if nxt is None else self.policy.rank(nxt, now)

@@ -24,6 +24,7 @@ class StepPass:
     reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
     one_image_free: bool = False  # a capped step still encodes one image, whatever its size
     encode_weight: float = 0.0  # budget tokens one encoded image token takes (a time-bounded step)
+    background: bool = False  # the walk has reached background work (the rest of it is too)
 
     def release(self, request_id: str) -> bool:
         """Give a decode's set-aside token back to the budget, for it to take now."""
@@ -32,3 +33,22 @@ class StepPass:
             self.budget += 1
             return True
         return False
+
+    def enter_background(self, tokens: int, prefill_tokens: int, decodes: list[str]) -> None:
+        """The walk reached background work (batch requests, ranked after all else). After
+        foreground work in this step it gets at most `tokens`, so that it never lengthens a step
+        interactive streams wait on. In a step of background work only, each of its `decodes` gets
+        its token and prefill gets at most `prefill_tokens` (and one image): a request that arrives
+        meanwhile waits for one short step, not for a batch's images to be encoded."""
+        self.background = True
+        if self.scheduled:
+            self.budget = min(self.budget, tokens)
+            self.encoder_left = min(self.encoder_left, tokens)
+            self.one_image_free = False
+            return
+        for request_id in decodes:
+            if len(self.reserved) < self.budget:
+                self.reserved.add(request_id)
+        self.budget = min(self.budget - len(self.reserved), prefill_tokens)
+        self.encoder_left = min(self.encoder_left, prefill_tokens)
+        self.one_image_free = True

@@ -172,3 +172,34 @@ def test_background_requests_never_age_ahead_and_are_preempted_first(clip_llama)
         assert outs[rid].outputs[0].token_ids == want
     report = llm.kv_report()
     assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
+
+
+def test_background_work_waits_for_steps_without_foreground_work(clip_llama):
+    """With `background_step_tokens=0` (the default), a step that runs a foreground request gives
+    background requests nothing, so their decodes never lengthen it; steps without foreground work
+    give them the whole budget. Outputs are those of each request alone."""
+    llm = LLM(clip_llama, kv_cache_memory_bytes=KV, max_num_seqs=4)
+    engine = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = [engine.add_request(image_prompt(s), long, priority=10) for s in (5, 6)]
+    for _ in range(3):
+        engine.step()  # alone: they run
+    assert all(r.num_computed_tokens > 0 for r in engine.core.scheduler.running)
+    fg = engine.add_request(
+        text_prompt("how many"), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    outs, fg_steps = {}, 0
+    while fg not in outs:
+        before = {r.request_id: r.num_computed_tokens for r in engine.core.scheduler.running}
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        after = {r.request_id: r.num_computed_tokens for r in engine.core.scheduler.running}
+        assert all(after.get(r, before.get(r)) == before.get(r) for r in batch)  # no background token
+        fg_steps += 1
+    assert fg_steps >= 6
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    alone = LLM(clip_llama, kv_cache_memory_bytes=KV)
+    for rid, seed in zip(batch, (5, 6), strict=True):
+        assert (
+            outs[rid].outputs[0].token_ids == alone.generate(image_prompt(seed), long)[0].outputs[0].token_ids
+        )
