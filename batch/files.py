@@ -23,13 +23,15 @@ def new_file_id() -> str:
     return "file-" + secrets.token_hex(16)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a reader (or a restart) sees the old or the new, never half."""
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write `data` to `path` so that a reader (or a restart) sees the old or the new, never half;
+    `durable`: on disk before this returns (not for progress counts rewritten every second)."""
     tmp = path.with_name(path.name + f".{secrets.token_hex(4)}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

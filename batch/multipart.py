@@ -11,6 +11,8 @@ from pathlib import Path
 
 MAX_HEADER_BYTES = 16 * 1024
 MAX_FIELD_BYTES = 4096
+MAX_PARTS = 16
+OVERHEAD_BYTES = 64 * 1024  # what a body may hold besides the file: boundaries, headers, fields
 _PARAM = re.compile(r';\s*([\w*-]+)="?([^";]*)"?')
 
 
@@ -45,8 +47,12 @@ async def save_upload(
     upload, buf, state = Upload(), b"", "preamble"
     name, sink, value = None, None, bytearray()
     tail = len(delim) + 4  # what may hold the start of a delimiter split over two chunks
+    total, parts = 0, 0
     try:
         async for chunk in chunks:
+            total += len(chunk)
+            if total > max_file_bytes + OVERHEAD_BYTES:  # a preamble or fields without end
+                raise MultipartError(f"the body is over the limit of {max_file_bytes} bytes for the file")
             buf += chunk
             while True:
                 if state == "preamble":
@@ -71,7 +77,9 @@ async def save_upload(
                             raise MultipartError("a multipart part's headers are too long")
                         break
                     name, filename = _disposition(buf[:end])
-                    buf, state = buf[end + 4 :], "data"
+                    buf, state, parts = buf[end + 4 :], "data", parts + 1
+                    if parts > MAX_PARTS:
+                        raise MultipartError(f"the form has more than {MAX_PARTS} parts")
                     if name == file_field:
                         if sink is not None:
                             raise MultipartError(f"more than one {file_field!r} part")

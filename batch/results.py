@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ class ResultFile:
     lines: int = 0
     usage: BatchUsage = field(default_factory=BatchUsage)
     _fd: int = -1
-    _synced: float = 0.0
 
     @classmethod
     def open(cls, path: Path) -> ResultFile:
@@ -68,14 +66,13 @@ class ResultFile:
             self.usage.input_tokens_details.cached_tokens += cached
 
     def append(self, entry: dict[str, Any]) -> None:
+        # No fsync here: a stopped or killed process loses nothing the OS has; syncing on the
+        # event loop would stall interactive streams behind the disk (sync() at the end).
         os.write(self._fd, _encoder.encode(entry) + b"\n")
         self._note(entry)
-        if time.monotonic() - self._synced > 1.0:  # durable within a second
-            self.sync()
 
     def sync(self) -> None:
         os.fsync(self._fd)
-        self._synced = time.monotonic()
 
     def close(self) -> None:
         if self._fd >= 0:

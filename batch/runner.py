@@ -112,7 +112,7 @@ class BatchRunner:
             counts = b.request_counts
             if (counts.completed, counts.failed) != (out.lines, err.lines):
                 counts.completed, counts.failed = out.lines, err.lines
-                self.store.save(state)
+                self.store.save(state, durable=False)
 
     def _end(self, batch_id: str, status: str) -> None:
         state = self.store.load(batch_id)
@@ -142,9 +142,13 @@ class BatchRunner:
                     state = self.store.load(b.id)  # _end wrote why, if it was a cancel or expiry
                     if state.ending is None or not work.cancelled():
                         raise  # the runner is stopping: the batch resumes on the next start
-                except (NotJSONL, LookupError, UnicodeDecodeError) as exc:
-                    self._fail(state, "invalid_file", str(exc) if not isinstance(exc, LookupError) else
-                               "the input file no longer exists")  # fmt: skip
+                except (NotJSONL, LookupError) as exc:
+                    gone = isinstance(exc, LookupError)
+                    self._fail(state, "invalid_file", "the input file no longer exists" if gone else str(exc))
+                    return
+                except Exception:  # a bug: the batch fails rather than being retried every poll
+                    logger.exception("batch %s could not run", b.id)
+                    self._fail(state, "internal_error", "the batch could not run (the server log says why)")
                     return
             self._finalize(state, out, err)
         finally:

@@ -39,8 +39,8 @@ class BatchStore:
             raise LookupError(batch_id)
         return self.root / f"{batch_id}{suffix}"
 
-    def save(self, state: BatchState) -> None:
-        write_atomic(self._path(state.batch.id, ".json"), msgspec.json.encode(state))
+    def save(self, state: BatchState, durable: bool = True) -> None:
+        write_atomic(self._path(state.batch.id, ".json"), msgspec.json.encode(state), durable)
 
     def load(self, batch_id: str) -> BatchState:
         try:

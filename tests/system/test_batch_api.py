@@ -6,6 +6,7 @@ killed mid-batch that resumes without losing or repeating a request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -30,6 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 DEMO = str(default_model_path())
 KEY = "sekrit"
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "caption", "schema": {
+    "type": "object", "properties": {"caption": {"type": "string", "maxLength": 40}}, "required": ["caption"],
+    "additionalProperties": False}}}  # fmt: skip
 FLAGS = ["--served-model-name", "demo", "--api-key", KEY, "--max-batch-file-bytes", str(4 * 1024**2),
          "--max-model-len", "512"]  # fmt: skip
 
@@ -92,14 +96,12 @@ def test_malformed_lines_go_to_the_error_file_with_their_numbers(server, ref):
         {**good, "custom_id": "unknown", "body": {**good["body"], "temprature": 0.5}},
         caption_line("bad-image", "data:image/png;base64,AAAA"),  # runs, and fails as HTTP would: 400
         {**good, "custom_id": "logprobs", "body": {**good["body"], "logprobs": True, "top_logprobs": 2}},
+        {**good, "custom_id": "json", "body": {**good["body"], "max_tokens": 40, "response_format": SCHEMA}},
     ]
     batch = wait_for(client, submit(client, lines).id, finished)
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
-        9,
-        2,
-        7,
-    )
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (10, 3, 7)
     errors = {e["error"]["line"]: e for e in entries(client, batch.error_file_id) if e["error"]}
     assert sorted(errors) == [2, 3, 4, 5, 6, 7]
     assert errors[4]["error"]["code"] == "duplicate_custom_id" and errors[4]["custom_id"] == "good"
@@ -112,6 +114,7 @@ def test_malformed_lines_go_to_the_error_file_with_their_numbers(server, ref):
     (want,) = expected_captions(ref, [url], max_tokens=8)
     assert out["good"]["choices"][0]["message"]["content"] == want
     assert len(out["logprobs"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert json.loads(out["json"]["choices"][0]["message"]["content"])["caption"]  # structured output
 
     f = client.files.create(file=("x.jsonl", b"just some text\nand more\n"), purpose="batch")
     failed = wait_for(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",

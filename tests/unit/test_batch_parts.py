@@ -54,6 +54,12 @@ def test_multipart_limits_and_malformed_bodies(tmp_path):
     kind2, body2 = _form({"other": ("a", b"x")}, {"purpose": "batch"})
     with pytest.raises(MultipartError, match="no 'file' part"):
         asyncio.run(save_upload(_chunks(body2, rng), boundary_of(kind2), "file", tmp_path / "f", 10**6))
+    endless = b"preamble without a boundary " * 10_000
+    with pytest.raises(MultipartError, match="over the limit"):
+        asyncio.run(save_upload(_chunks(endless, rng), boundary_of(kind), "file", tmp_path / "f", 1000))
+    many, body3 = _form({"file": ("a", b"x")}, {f"f{i}": "v" for i in range(20)})
+    with pytest.raises(MultipartError, match="more than 16 parts"):
+        asyncio.run(save_upload(_chunks(body3, rng), boundary_of(many), "file", tmp_path / "f", 10**6))
     with pytest.raises(MultipartError, match="multipart/form-data"):
         boundary_of("application/json")
     with pytest.raises(MultipartError, match="boundary"):
