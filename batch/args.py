@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -32,7 +33,14 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def batch_settings(args: argparse.Namespace) -> dict:
-    folder = args.batch_dir if args.batch_dir is not None else default_batch_dir()
+    folder = args.batch_dir
+    if folder is None:  # the default: a home that cannot hold it turns the API off, not the server
+        folder = default_batch_dir()
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            logging.getLogger("mm_engine.batch").warning("the batch API is off: %s (give --batch-dir)", exc)
+            folder = "none"
     return dict(
         batch_dir=None if folder.lower() == "none" else folder,
         max_batch_file_bytes=args.max_batch_file_bytes,
