@@ -284,9 +284,8 @@ def serve_on(
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    batches = app.state.ctx.batches
-    stop_batches = batches.stop if batches is not None and settings.api_server_index == 0 else None
-    server = DrainingServer(uv_config, llm, settings.shutdown_timeout, before_drain=stop_batches)
+    batches = app.state.ctx.batches  # (stopping a runner that never started does nothing)
+    server = DrainingServer(uv_config, llm, settings.shutdown_timeout, before_drain=batches and batches.stop)
     exit_.server = server
     if on_start is not None:
         on_start(server)

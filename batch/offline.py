@@ -84,8 +84,7 @@ async def _run(args: argparse.Namespace, source: Path, target: Path, settings: S
         out.close()
         await fetcher.aclose()
         await llm.shutdown()
-    failed = sum(1 for _ in _failures(target))
-    print(f"{out.lines} of {total} lines answered, {failed} failed: {target}", file=sys.stderr)
+    print(f"{out.lines} of {total} lines answered, {out.failed} failed: {target}", file=sys.stderr)
     return 0
 
 
@@ -96,12 +95,3 @@ async def _progress(out, total: int) -> None:
         while True:
             bar.update(out.lines - bar.n)
             await asyncio.sleep(0.5)
-
-
-def _failures(path: Path):
-    import msgspec
-
-    for raw in path.read_bytes().splitlines():
-        entry = msgspec.json.decode(raw)
-        if entry.get("error") is not None or (entry.get("response") or {}).get("status_code", 200) >= 400:
-            yield entry

@@ -27,6 +27,7 @@ class ResultFile:
     done: set[str] = field(default_factory=set)  # custom_ids answered (ok or failed)
     refused_lines: set[int] = field(default_factory=set)  # line numbers reported as not runnable
     lines: int = 0
+    failed: int = 0  # lines that could not run or whose answer is an error (status >= 400)
     usage: BatchUsage = field(default_factory=BatchUsage)
     _fd: int = -1
 
@@ -53,7 +54,9 @@ class ResultFile:
 
     def _note(self, entry: dict) -> None:
         self.lines += 1
-        if entry.get("response") is not None:
+        response = entry.get("response")
+        self.failed += response is None or response.get("status_code", 200) >= 400
+        if response is not None:
             self.done.add(entry["custom_id"])
         elif isinstance(entry.get("error"), dict) and isinstance(entry["error"].get("line"), int):
             self.refused_lines.add(entry["error"]["line"])

@@ -84,17 +84,19 @@ class BatchRunner:
             os.close(lock)  # (the lock goes with the descriptor)
 
     async def _look_every_poll(self) -> None:
+        ended: set[str] = set()  # batches seen finished: not read again every poll
         while True:
-            for state in self.store.all():
-                self._look_at(state)
+            for state in self.store.all(skip=ended):
+                if state.batch.status in ACTIVE:
+                    self._look_at(state)
+                else:
+                    ended.add(state.batch.id)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
             self._wake.clear()
 
     def _look_at(self, state: BatchState) -> None:
         b = state.batch
-        if b.status not in ACTIVE:
-            return
         if b.id not in self._batches:
             task = asyncio.create_task(self._run(state))
             self._batches[b.id] = task

@@ -56,10 +56,12 @@ class BatchStore:
             batch.status, batch.cancelling_at = "cancelling", marked
         return batch
 
-    def all(self) -> list[BatchState]:
-        """Every batch, oldest first."""
+    def all(self, skip: set[str] = frozenset()) -> list[BatchState]:
+        """Every batch (but those whose ids are in `skip`), oldest first."""
         out = []
         for path in self.root.glob("batch_*.json"):
+            if path.stem in skip:
+                continue
             try:
                 out.append(msgspec.json.decode(path.read_bytes(), type=BatchState))
             except (FileNotFoundError, msgspec.DecodeError):

@@ -27,6 +27,7 @@ from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.prompt_logprobs import prompt_logprobs
 from mm_engine.core.reports import core_stats, kv_report
 from mm_engine.core.sampler import NO_TOKEN, Sampler
+from mm_engine.core.scheduling import build_scheduler
 from mm_engine.core.stopping import ends_after
 from mm_engine.core.structured_output import Grammars, GrammarWaitlist
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
@@ -39,8 +40,7 @@ from mm_engine.pools.cpu_memory import tune_malloc
 from mm_engine.pools.setup import build_pools
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request
-from mm_engine.sched.policy import make_policy
-from mm_engine.sched.scheduler import QueueFullError, ScheduledBatch, Scheduler
+from mm_engine.sched.scheduler import QueueFullError, ScheduledBatch
 from mm_engine.vision.encoder_cache import EncoderCache
 
 logger = logging.getLogger("mm_engine.core")
@@ -108,26 +108,11 @@ class EngineCore(OverlappedSteps):
             whole_images=self.model.bidirectional_images,
             refused_tokens=tuple(self.model.refused_tokens.items()),
         )
-        c = config
-        policy = make_policy(c.scheduling_policy, c.image_priority_boost, c.max_wait_s, c.preemption_margin,
-                             c.background_priority)  # fmt: skip
         swap = config.preemption_mode == "swap"  # (under TP each worker repeats the swaps)
         self.swap = HostSwap(self.kv, config.swap_space_bytes, self.parallel, self.states) if swap else None
-        self.scheduler = Scheduler(
-            self.blocks,
-            policy,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.encoder_cache,
-            self.encoder_budget,
-            self.swap,
-            config.max_waiting_requests,
-            whole_images=self.model.bidirectional_images,
-            decode_first=config.decode_first,
-            decode_step_prefill_tokens=config.prefill_cap(self.device.type),
-            states=self.states,
-            step_time_factor=config.step_time_factor, background_step_tokens=config.background_step_tokens,
-            background_prefill_tokens=config.background_prefill_tokens,
+        self.scheduler = build_scheduler(
+            config, self.blocks, self.encoder_cache, self.encoder_budget, self.swap, self.states,
+            whole_images=self.model.bidirectional_images, device_type=self.device.type,
         )  # fmt: skip
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"

@@ -1,10 +1,42 @@
-"""Where a prefill chunk may end, for a model whose image tokens attend to each other in both
-directions (Gemma 3, `whole_images`): all of an image's keys must be written before any of its
-queries runs, so a chunk never ends inside an image's run of embeddings."""
+"""Where a request's next chunk ends: at the step's token budget, before an image the encoder
+budget cannot take, and, for a model whose image tokens attend to each other in both directions
+(Gemma 3, `whole_images`), never inside an image's run of embeddings (all of an image's keys must
+be written before any of its queries runs)."""
 
 from __future__ import annotations
 
 from mm_engine.request import Request
+from mm_engine.sched.step_pass import StepPass
+from mm_engine.vision.encoder_cache import EncoderCache
+
+
+def next_chunk(
+    req: Request, p: StepPass, whole_images: bool, held_image: int | None, encoder_cache: EncoderCache
+) -> tuple[int, int]:
+    """Tokens `req` may compute now, and the image tokens to encode for them. `held_image`: the
+    image its last chunk ended inside, whose features the runner holds (not charged again)."""
+    start = req.num_computed_tokens
+    n = min(req.num_tokens - start, p.budget)
+    if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image to encode
+        return n, 0
+    if whole_images:
+        n = not_inside_an_image(req, start, n)
+    cost = 0
+    for j, span in enumerate(req.images):
+        if span.offset >= start + n:
+            break
+        if span.offset + span.length <= start or held_image == j:
+            continue
+        if encoder_cache.contains(span.content_hash):
+            continue
+        # Charged with what the tower produces (a tiled image's run also holds row/column tokens).
+        left = p.encoder_left
+        if p.encode_weight > 0.0:  # a time-bounded step: encoding spends the time prefill would
+            left = min(left, int(max(0, p.budget - (span.offset - start)) / p.encode_weight))
+        if cost + span.num_embeds > left and not (p.one_image_free and cost == 0):
+            return max(0, span.offset - start), cost  # stop before the image that does not fit
+        cost += span.num_embeds
+    return n, cost
 
 
 def not_inside_an_image(req: Request, start: int, n: int) -> int:

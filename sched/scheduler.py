@@ -31,6 +31,7 @@ must be written before any of its queries runs), before an image it would otherw
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from mm_engine.pools.block_manager import IMAGE, BlockManager
@@ -38,7 +39,7 @@ from mm_engine.pools.state_pool import StatePool
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import Request, Status
 from mm_engine.sched.batch import ScheduledBatch
-from mm_engine.sched.chunks import not_inside_an_image
+from mm_engine.sched.chunks import next_chunk
 from mm_engine.sched.policy import BACKGROUND, Policy, outranks
 from mm_engine.sched.step_costs import StepCosts, StepShape
 from mm_engine.sched.step_pass import StepPass
@@ -113,12 +114,8 @@ class Scheduler:
         ranks = self._ranks
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         running = list(self.running)
-        for req in running if self.decode_first else ():
-            if ranks[req.request_id][0] == BACKGROUND:
-                break  # (ranked last) background decodes take what foreground work leaves
-            if len(p.reserved) < p.budget and req.num_tokens - req.num_computed_tokens == 1:
-                p.reserved.add(req.request_id)
-        p.budget -= len(p.reserved)
+        if self.decode_first:  # (background work, ranked last, takes what foreground work leaves)
+            p.set_aside(itertools.takewhile(lambda r: ranks[r.request_id][0] != BACKGROUND, running))
         # (Not for whole images: one must fit a step whole, and a cap below it would stall it.)
         if p.reserved and not self.whole_images:
             self._cap_for_decodes(p)
@@ -136,8 +133,9 @@ class Scheduler:
                 )
                 rank = nxt_rank if take_waiting else ranks[running[i].request_id]
                 if rank[0] == BACKGROUND and not p.background:
-                    decodes = [r.request_id for r in running[i:] if r.num_tokens - r.num_computed_tokens == 1]
-                    p.enter_background(self.background_step_tokens, self.background_prefill_tokens, decodes)
+                    p.enter_background(
+                        self.background_step_tokens, self.background_prefill_tokens, running[i:]
+                    )
                 if take_waiting:
                     if nxt.request_id in p.preempted or self._admit(nxt, nxt_rank, now, p):
                         nxt = next(waiting, None)
@@ -176,29 +174,8 @@ class Scheduler:
         self.costs.observe(StepShape(decodes, batch.num_tokens - decodes, batch.encoder_tokens), seconds)
 
     def _chunk(self, req: Request, p: StepPass) -> tuple[int, int]:
-        """Tokens this request may compute now, and the image tokens to encode for them."""
-        start = req.num_computed_tokens
-        n = min(req.num_tokens - start, p.budget)
-        if start >= req.num_prompt_tokens:  # a decode, or output recomputed: no image to encode
-            return n, 0
-        if self.whole_images:
-            n = not_inside_an_image(req, start, n)
-        cost = 0
-        for j, span in enumerate(req.images):
-            if span.offset >= start + n:
-                break
-            if span.offset + span.length <= start or self._straddling.get(req.request_id) == j:
-                continue
-            if self.encoder_cache.contains(span.content_hash):
-                continue
-            # Charged with what the tower produces (a tiled image's run also holds row/column tokens).
-            left = p.encoder_left
-            if p.encode_weight > 0.0:  # a time-bounded step: encoding spends the time prefill would
-                left = min(left, int(max(0, p.budget - (span.offset - start)) / p.encode_weight))
-            if cost + span.num_embeds > left and not (p.one_image_free and cost == 0):
-                return max(0, span.offset - start), cost  # stop before the image that does not fit
-            cost += span.num_embeds
-        return n, cost
+        held = self._straddling.get(req.request_id)
+        return next_chunk(req, p, self.whole_images, held, self.encoder_cache)
 
     def _take(self, req: Request, n: int, cost: int, p: StepPass) -> None:
         batch = p.batch

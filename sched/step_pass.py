@@ -3,8 +3,10 @@ as it grows, the token and encoder budgets left, and what was scheduled, preempt
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mm_engine.request import Request
 from mm_engine.sched.batch import ScheduledBatch
 
 
@@ -34,10 +36,19 @@ class StepPass:
             return True
         return False
 
-    def enter_background(self, tokens: int, prefill_tokens: int, decodes: list[str]) -> None:
+    def set_aside(self, requests: Iterable[Request]) -> None:
+        """One token of the budget for each of `requests` that is decoding, while the budget lasts."""
+        taken = 0
+        for req in requests:
+            if taken < self.budget and req.num_tokens - req.num_computed_tokens == 1:
+                self.reserved.add(req.request_id)
+                taken += 1
+        self.budget -= taken
+
+    def enter_background(self, tokens: int, prefill_tokens: int, requests: Iterable[Request]) -> None:
         """The walk reached background work (batch requests, ranked after all else). After
         foreground work in this step it gets at most `tokens`, so that it never lengthens a step
-        interactive streams wait on. In a step of background work only, each of its `decodes` gets
+        interactive streams wait on. In a step of background work only, each of its decoding `requests` gets
         its token and prefill gets at most `prefill_tokens` (and one image): a request that arrives
         meanwhile waits for one short step, not for a batch's images to be encoded."""
         self.background = True
@@ -46,9 +57,7 @@ class StepPass:
             self.encoder_left = min(self.encoder_left, tokens)
             self.one_image_free = False
             return
-        for request_id in decodes:
-            if len(self.reserved) < self.budget:
-                self.reserved.add(request_id)
-        self.budget = min(self.budget - len(self.reserved), prefill_tokens)
+        self.set_aside(requests)
+        self.budget = min(self.budget, prefill_tokens)
         self.encoder_left = min(self.encoder_left, prefill_tokens)
         self.one_image_free = True
