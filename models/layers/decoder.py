@@ -83,6 +83,26 @@ class Rotary(nn.Module):
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
+def rotate_part(ops: TorchOps, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs=None):
+    """`x` `[tokens, heads, head_dim]` with the rotary over its first `2 * cos.shape[-1]` dims
+    (a partial rotary leaves the rest as they are). `pairs`: a head's dims in the order that
+    puts each pair an interleaved rotary turns together (GLM's: 0 with 1, 2 with 3, ...) half a
+    rotary apart, where the rotate_half ops expect them. q and k get the same reordering, so
+    their dot products, the only thing attention reads of them, are unchanged."""
+    if pairs is not None:
+        x = x[..., pairs]
+    turned = 2 * cos.shape[-1]
+    if turned == x.shape[-1]:
+        return ops.rotary(x, cos, sin)
+    return torch.cat([ops.rotary(x[..., :turned].contiguous(), cos, sin), x[..., turned:]], -1)
+
+
+def interleaved_pairs(head_dim: int, turned: int) -> torch.Tensor:
+    """The dim order for `rotate_part` that turns an interleaved rotary over the first `turned`
+    dims of a head into the rotate_half layout: even dims, then odd ones, then the rest."""
+    return torch.cat([torch.arange(0, turned, 2), torch.arange(1, turned, 2), torch.arange(turned, head_dim)])
+
+
 def mrope_streams(section: list[int], interleaved: bool) -> list[int]:
     """Which position axis each rotary frequency reads: contiguous sections (Qwen2-VL, Qwen2.5-VL:
     t...t h...h w...w) or interleaved ones (Qwen3-VL: t h w t h w ..., then t for the rest)."""
@@ -101,8 +121,9 @@ class Attention(nn.Module):
 
     def __init__(
         self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
-        tp: TPGroup | None = None, dtype: torch.dtype = torch.float32,
+        tp: TPGroup | None = None, dtype: torch.dtype = torch.float32, pairs: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
+        """`pairs`: an interleaved rotary's dim order (`interleaved_pairs`); None: rotate_half."""
         super().__init__()
         world = tp.world if tp is not None else 1
         h, self.num_heads, self.num_kv_heads = (
@@ -122,6 +143,7 @@ class Attention(nn.Module):
         # Qwen3: an RMSNorm over each head of q and k before the rotary.
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
+        self.register_buffer("pairs", pairs, persistent=False)
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (after loading, which uses the HF names):
@@ -132,25 +154,28 @@ class Attention(nn.Module):
         self.qkv_proj = concat_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return rotate_part(self.ops, x, *rope, self.pairs)
+
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t, hd, h, kvh = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         if self.q_norm is not None and self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
             q = self.q_norm(qkv[:, : h * hd].reshape(t * h, hd)).view(t, h, hd)
             k = self.k_norm(qkv[:, h * hd : (h + kvh) * hd].reshape(t * kvh, hd)).view(t, kvh, hd)
-            q, k, v = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope), qkv[:, (h + kvh) * hd :]
+            q, k, v = self._rotate(q, rope), self._rotate(k, rope), qkv[:, (h + kvh) * hd :]
         elif self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
             # q and k sit side by side in the fused output: rotate them as one [t, h + kvh, hd] view
             # (in place where the ops can: nothing else reads the projection's output).
-            qk = self.ops.rotary(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), *rope)
+            qk = self._rotate(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), rope)
             q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * hd :]
         else:
             q, k = self.q_proj(x).view(t, h, hd), self.k_proj(x).view(t, kvh, hd)
             if self.q_norm is not None:
                 q = self.q_norm(q.reshape(t * h, hd)).view(t, h, hd)
                 k = self.k_norm(k.reshape(t * kvh, hd)).view(t, kvh, hd)
-            q, k, v = self.ops.rotary(q, *rope), self.ops.rotary(k, *rope), self.v_proj(x)
+            q, k, v = self._rotate(q, rope), self._rotate(k, rope), self.v_proj(x)
         v = v.reshape(t, kvh, hd)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
@@ -162,13 +187,18 @@ class DecoderLayer(nn.Module):
     def __init__(
         self, config, head_dim: int, bias: dict[str, bool], ops: TorchOps = TORCH_OPS, qk_norm: bool = False,
         tp: TPGroup | None = None, dtype: torch.dtype = torch.float32, sparse: bool = False,
+        sandwich: bool = False, pairs: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        """`sparse`: a mixture of experts (moe.py) in place of the MLP."""
+        """`sparse`: a mixture of experts (moe.py) in place of the MLP. `sandwich`: GLM's norms
+        after attention and after the MLP too, each before its residual add. `pairs`: Attention's."""
         super().__init__()
-        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm, tp, dtype)
+        self.self_attn = Attention(config, head_dim, bias, ops, qk_norm, tp, dtype, pairs)
         self.mlp = SparseMoE(config, ops, tp, dtype) if sparse else MLP(config, bias["mlp"], ops, tp, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(dim, eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(dim, eps, ops, dtype)
+        self.post_self_attn_layernorm = RMSNorm(dim, eps, ops, dtype) if sandwich else None
+        self.post_mlp_layernorm = RMSNorm(dim, eps, ops, dtype) if sandwich else None
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, backend):
         """`x` is the previous layer's MLP output, still to be added to `residual` (None for the
@@ -179,8 +209,11 @@ class DecoderLayer(nn.Module):
         else:
             residual, h = self.input_layernorm.add_and_norm(residual, x)
         attn = self.self_attn(h, rope, k_cache, v_cache, meta, backend)
+        if self.post_self_attn_layernorm is not None:
+            attn = self.post_self_attn_layernorm(attn)
         residual, h = self.post_attention_layernorm.add_and_norm(residual, attn)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        return (out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out)), residual
 
 
 class DecoderLM(nn.Module):
@@ -228,8 +261,11 @@ class DecoderLM(nn.Module):
 
     @staticmethod
     def rotary_dim(config, head_dim: int) -> int:
-        """How many of a head's dimensions the rotary turns (all of them here)."""
-        return head_dim
+        """How many of a head's dimensions the rotary turns: all, or `partial_rotary_factor` of
+        them (Qwen3.5, GLM)."""
+        params = getattr(config, "rope_parameters", None) or {}
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        return int(head_dim * factor)
 
     def forward(
         self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend,

@@ -25,7 +25,7 @@ from mm_engine.kernels import gated_delta as gd
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
-from mm_engine.models.layers.decoder import DecoderLM, RMSNorm
+from mm_engine.models.layers.decoder import DecoderLM, RMSNorm, rotate_part
 from mm_engine.models.layers.mlp import MLP, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
@@ -237,12 +237,6 @@ class GatedAttention(nn.Module):
         self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        turned = 2 * cos.shape[-1]
-        if turned == self.head_dim:
-            return self.ops.rotary(x, cos, sin)
-        return torch.cat([self.ops.rotary(x[..., :turned].contiguous(), cos, sin), x[..., turned:]], -1)
-
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata, backend):
         t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
@@ -253,7 +247,7 @@ class GatedAttention(nn.Module):
         gate = qg[..., hd:].reshape(t, h * hd)
         q = self.q_norm(qg[..., :hd].reshape(t * h, hd)).view(t, h, hd)
         k = self.k_norm(k.reshape(t * kvh, hd)).view(t, kvh, hd)
-        q, k = self._rotate(q, *rope), self._rotate(k, *rope)
+        q, k = rotate_part(self.ops, q, *rope), rotate_part(self.ops, k, *rope)
         backend.write_kv(k, v.reshape(t, kvh, hd), k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale).reshape(t, h * hd)
         out = self.o_proj(out * torch.sigmoid(gate))
@@ -305,12 +299,6 @@ class HybridLM(DecoderLM):
 
     def make_layer(self, config, i, head_dim, bias, ops, qk_norm, tp, dtype) -> nn.Module:
         return HybridLayer(config, i, head_dim, ops, tp, dtype)
-
-    @staticmethod
-    def rotary_dim(config, head_dim: int) -> int:
-        params = getattr(config, "rope_parameters", None) or {}
-        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        return int(head_dim * factor)
 
     def forward(self, embeds, positions, kv_k, kv_v, meta, backend, deepstack=None, states=None):
         if deepstack is not None:
