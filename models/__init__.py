@@ -32,6 +32,9 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "LlavaNextForConditionalGeneration": ("llava_next", "LlavaNextModel", "LlavaNextProcessing"),
     "LlavaOnevisionForConditionalGeneration": ("llava_next", "LlavaNextModel", "LlavaNextProcessing"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3Model", "Gemma3Processing"),
+    "Glm4vForConditionalGeneration": ("glm4v", "Glm4vModel", "GlmProcessing"),
+    "Glm46VForConditionalGeneration": ("glm4v", "Glm46VModel", "GlmProcessing"),
+    "GlmOcrForConditionalGeneration": ("glm4v", "GlmOcrModel", "GlmProcessing"),
 }
 # The config's model_type for each, when a config names no architecture.
 MODEL_TYPES = {
@@ -50,6 +53,9 @@ MODEL_TYPES = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm46v": "Glm46VForConditionalGeneration",
+    "glm_ocr": "GlmOcrForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

@@ -264,7 +264,7 @@ class Qwen2VLModel(MultimodalModel):
         return mrope_positions(len(token_ids), images, self.merge)
 
     # What a later family of the line changes in loading (Qwen3.5: a hybrid decoder, norms stored
-    # as offsets, checkpoint keys to skip).
+    # as offsets, checkpoint keys to skip; GLM: its decoder and its tower).
     lm_class: type[DecoderLM] = DecoderLM
 
     @staticmethod
@@ -272,8 +272,12 @@ class Qwen2VLModel(MultimodalModel):
         return _route(key)
 
     @staticmethod
-    def lm_weights(state: dict) -> dict:
+    def lm_weights(state: dict, text_config) -> dict:
         return state
+
+    @staticmethod
+    def build_tower(config, ops) -> torch.nn.Module:
+        return QwenVisionTower(config.vision_config, ops)
 
     @classmethod
     def from_checkpoint(
@@ -283,14 +287,12 @@ class Qwen2VLModel(MultimodalModel):
         parts = split_by_prefix(read_weights(path), cls.route, cls.family)
         text = config.text_config
         streams = mrope_streams(text.rope_parameters["mrope_section"], cls.interleaved_mrope)
+        weights = cls.lm_weights(parts.get("lm", {}), text)
         lm = build_language_model(
-            cls.lm_weights(parts.get("lm", {})), text, dtype, device, platform.ops, streams, cls.qk_norm, tp,
-            cls.lm_class,
+            weights, text, dtype, device, platform.ops, streams, cls.qk_norm, tp, cls.lm_class
         )  # fmt: skip
-        tower = QwenVisionTower(config.vision_config, platform.ops).to(device=device, dtype=vision_dtype)
-        load_strict(
-            tower, QwenVisionTower.checkpoint_state(materialize(parts.get("vision", {}))), "vision tower"
-        )
+        tower = cls.build_tower(config, platform.ops).to(device=device, dtype=vision_dtype)
+        load_strict(tower, tower.checkpoint_state(materialize(parts.get("vision", {}))), "vision tower")
         tower.fuse()
         model = cls(config, tower, lm)
         return ready(model, platform, pack_weights)

@@ -43,7 +43,7 @@ class Qwen3_5Model(Qwen2VLModel):
         return ("unused", key) if key.startswith("mtp.") else _route(key)
 
     @staticmethod
-    def lm_weights(state: dict) -> dict:
+    def lm_weights(state: dict, text_config) -> dict:
         """`1 + w` for every norm stored as an offset (in float32, as the reference computes it)."""
         out = dict(state)
         for key in state:

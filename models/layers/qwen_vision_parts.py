@@ -22,18 +22,30 @@ class LayerNorm(nn.LayerNorm):
 
 
 class VisionAttention(nn.Module):
-    """Rotary attention over packed images (Qwen's towers, and Pixtral's without biases)."""
+    """Rotary attention over packed images (Qwen's towers, Pixtral's without biases, GLM's with
+    `proj_bias` of its own and, in GLM-OCR, an RMSNorm over each head of q and k: `qk_norm_eps`)."""
 
-    def __init__(self, dim: int, heads: int, ops: TorchOps, bias: bool = True) -> None:
+    def __init__(
+        self, dim: int, heads: int, ops: TorchOps, bias: bool = True, proj_bias: bool | None = None,
+        qk_norm_eps: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.heads, self.head_dim, self.ops = heads, dim // heads, ops
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
-        self.proj = nn.Linear(dim, dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=bias if proj_bias is None else proj_bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps, ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments):
-        tokens, h = x.shape[0], self.heads
-        qkv = self.qkv(x).view(tokens, 3 * h, self.head_dim)
-        qk = self.ops.rotary(qkv[:, : 2 * h], cos, sin)  # q and k heads side by side, one call
+        tokens, h, hd = x.shape[0], self.heads, self.head_dim
+        qkv = self.qkv(x).view(tokens, 3 * h, hd)
+        qk = qkv[:, : 2 * h]
+        if self.q_norm is not None:
+            q = self.q_norm(qk[:, :h].reshape(tokens * h, hd)).view(tokens, h, hd)
+            qk = torch.cat([q, self.k_norm(qk[:, h:].reshape(tokens * h, hd)).view(tokens, h, hd)], 1)
+        qk = self.ops.rotary(qk, cos, sin)  # q and k heads side by side, one call
         out = self.ops.varlen_attention(qk[:, :h], qk[:, h:], qkv[:, 2 * h :], segments, self.head_dim**-0.5)
         return self.proj(out.view(tokens, -1))
 
