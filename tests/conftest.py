@@ -53,7 +53,8 @@ def ref_siglip_qwen2(siglip_qwen2) -> Reference:
 
 def _build_family(name: str, path):
     # SmolVLM shares Idefics3's architecture: a seed of its own gives it weights of its own
-    return build_checkpoint(name, path, **({"seed": 1} if name == "smolvlm" else {}))
+    # (GLM-4.6V likewise shares GLM-4.1V's.)
+    return build_checkpoint(name, path, **({"seed": 1} if name in ("smolvlm", "glm46v") else {}))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,9 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral3": ("mistral3", "build_mistral3_checkpoint", {}),
     "lighton_ocr": ("lighton_ocr", "build_lighton_ocr_checkpoint", {}),
     "gemma3": ("gemma3", "build_gemma3_checkpoint", {}),
+    "glm4v": ("glm", "build_glm_checkpoint", {"version": "glm4v"}),
+    "glm46v": ("glm", "build_glm_checkpoint", {"version": "glm46v"}),
+    "glm_ocr": ("glm", "build_glm_checkpoint", {"version": "glm_ocr"}),
 }
 FAMILIES = tuple(_BUILDERS)
 

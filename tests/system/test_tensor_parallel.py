@@ -236,8 +236,9 @@ def test_swap_preemption_over_the_ranks(clip_llama):
 # (DeepStack, q/k norms, interleaved M-RoPE), Qwen3-VL-MoE (each expert's width split), Qwen3.5-MoE
 # (linear-attention heads and their state split, gated attention, the shared expert), Idefics3
 # (padded crops with a pixel mask), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
-# (patch merger), LLaVA-OneVision (anyres packing, Qwen2's biases). Their twins share these paths:
-# Qwen2.5-VL, SmolVLM, InternVL-Qwen3, LLaVA-NeXT. LLaVA is above, Gemma 3 in
+# (patch merger), LLaVA-OneVision (anyres packing, Qwen2's biases), GLM-4.1V (sandwich norms, the
+# interleaved partial rotary, the fused gate_up split on load). Their twins share these paths:
+# Qwen2.5-VL, SmolVLM, InternVL-Qwen3, LLaVA-NeXT, GLM-4.6V, GLM-OCR. LLaVA is above, Gemma 3 in
 # tests/families/test_gemma3.py.
 @pytest.mark.parametrize(
     "family",
@@ -251,6 +252,7 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         "mistral3",
         "lighton_ocr",
         "llava_onevision",
+        "glm4v",
     ],
 )
 def test_the_families_split_over_two_ranks(vl_family, family):
