@@ -130,9 +130,19 @@ OCR_TEXT_DIMS = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=14, num_attention_heads=16,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
 )  # fmt: skip
+# The GLM-OCR benchmark model: GLM-OCR's widths (a 1024-wide GLM-OCR tower of 14-pixel patches; a
+# GLM language model, hidden 1536, 16 / 8 heads of 128 with the rotary over half, MLP 4608) at
+# half its depths (12 tower and 8 language-model layers), with the benchmark vocabulary, and GLM's
+# default pixel bounds: a 1240 x 1754 page is 1232 x 1764 pixels, 2,772 image tokens.
+GLM_OCR_NAME = "glm-ocr-like-v1"
+GLM_OCR_VISION_DIMS = dict(depth=12, hidden_size=1024, intermediate_size=4096, num_heads=16)
+GLM_OCR_TEXT_DIMS = dict(
+    hidden_size=1536, intermediate_size=4608, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=16384,
+)  # fmt: skip
 PAGE_SIZE = (1240, 1754)  # A4 at 150 dpi
 MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5",
-                 "bench-lighton-ocr")  # fmt: skip
+                 "bench-lighton-ocr", "bench-glm-ocr")  # fmt: skip
 
 
 def resolve_model(model: str | None) -> str:
@@ -150,7 +160,17 @@ def resolve_model(model: str | None) -> str:
         return str(bench_qwen_model_path("qwen3_5"))
     if model == "bench-lighton-ocr":
         return str(bench_ocr_model_path())
+    if model == "bench-glm-ocr":
+        return str(bench_glm_ocr_model_path())
     return model
+
+
+def bench_glm_ocr_model_path() -> Path:
+    """The GLM-OCR-shaped benchmark model; built once."""
+    return built_once(GLM_OCR_NAME, "the GLM-OCR benchmark model", lambda out: build_checkpoint(
+        "glm_ocr", out, patch_size=14, min_pixels=112 * 112, max_pixels=28 * 28 * 15000,
+        text_dims=GLM_OCR_TEXT_DIMS, vision_dims=GLM_OCR_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0,
+    ))  # fmt: skip
 
 
 def bench_ocr_model_path() -> Path:
