@@ -234,6 +234,8 @@ class ModelRunner:
             if inputs.embed_feats.shape[1] > 1:
                 deepstack = (inputs.embed_rows, inputs.embed_feats[:, 1:])
         extra = {} if self.states is None else {"states": self.states}
+        if getattr(lm, "reads_token_ids", False):  # per-layer embeddings (Gemma 4) look tokens up
+            extra.update(token_ids=ids, image_rows=inputs.embed_rows)
         hidden = lm(
             embeds, inputs.positions, self.kv.k, self.kv.v, inputs.meta, self.backend, deepstack, **extra
         )

@@ -115,7 +115,16 @@ def destroy_group() -> None:
 def check_divisible(text_config, world: int) -> None:
     """Attention heads, KV heads and the MLP width (each expert's, with MoE; the shared expert's)
     must split evenly, and a hybrid model's linear-attention key and value heads."""
-    names = ["num_attention_heads", "num_key_value_heads"]
+    names = ["num_attention_heads"]
+    per_layer = getattr(text_config, "per_layer_config", None)  # Gemma 4: KV heads differ by layer
+    layers = range(text_config.num_hidden_layers) if per_layer is not None else ()
+    heads = [per_layer[i].num_key_value_heads for i in layers]
+    if len(set(heads)) > 1:
+        for i, n in enumerate(heads):
+            if n % world:
+                raise ValueError(f"tensor_parallel_size {world} does not divide layer {i}'s {n} KV heads")
+    else:
+        names.append("num_key_value_heads")
     if getattr(text_config, "num_experts", 0):
         names.append("moe_intermediate_size")  # each expert's width is split too
     optional = (

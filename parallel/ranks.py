@@ -58,7 +58,11 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 def kv_spec(config: EngineConfig, text_config, lm, world: int) -> KVCacheSpec:
     """A rank's KV layout: its share of the KV heads, every layer with a paged KV cache (a hybrid
-    model's linear-attention layers have none), the engine's blocks."""
+    model's linear-attention layers and Gemma 4's KV-sharing layers have none), the engine's
+    blocks; a model whose layers differ in heads says so in `kv_layer_dims` (this rank's)."""
+    dims = getattr(lm, "kv_layer_dims", None)
+    if dims is not None:
+        return KVCacheSpec(lm.num_kv_layers, *dims[0], config.block_size, config.torch_dtype(), tuple(dims))
     heads = text_config.num_key_value_heads // world
     return KVCacheSpec(lm.num_kv_layers, heads, lm.head_dim, config.block_size, config.torch_dtype())
 

@@ -23,11 +23,22 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # Per KV layer (kv heads, head size) where layers differ (Gemma 4's global layers have wider
+    # heads and fewer of them); None: every layer is `num_kv_heads` x `head_dim`.
+    layer_dims: tuple[tuple[int, int], ...] | None = None
+
+    def dims(self) -> list[tuple[int, int]]:
+        """(kv heads, head size) of each layer's cache."""
+        if self.layer_dims is None:
+            return [(self.num_kv_heads, self.head_dim)] * self.num_layers
+        if len(self.layer_dims) != self.num_layers:
+            raise ValueError(f"layer_dims has {len(self.layer_dims)} entries for {self.num_layers} layers")
+        return list(self.layer_dims)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.block_size * elem * sum(heads * dim for heads, dim in self.dims())
 
 
 def kv_memory_bytes(
@@ -86,9 +97,10 @@ class KVCache:
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        dims = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
-        self.k = [paged_kv_tensor(*dims, empty) for _ in range(spec.num_layers)]
-        self.v = [paged_kv_tensor(*dims, empty) for _ in range(spec.num_layers)]
+        size = (num_blocks, spec.block_size)
+        layers = spec.dims()
+        self.k = [paged_kv_tensor(*size, h, d, spec.dtype, device, empty) for h, d in layers]
+        self.v = [paged_kv_tensor(*size, h, d, spec.dtype, device, empty) for h, d in layers]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks `src[i]` -> `dst[i]` in every layer (on the device, in stream order)."""
