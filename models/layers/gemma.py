@@ -40,6 +40,26 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
 
 
+def scaled_embedding(config, tp: TPGroup | None, dtype: torch.dtype) -> nn.Module:
+    """The token embedding times sqrt(hidden) (this rank's vocabulary rows under `tp`)."""
+    scale = config.hidden_size**0.5
+    if tp is None:
+        return ScaledEmbedding(config.vocab_size, config.hidden_size, scale, dtype)
+    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, scale, dtype)
+
+
+def lm_head(
+    config, embed: nn.Module, tie: bool, tp: TPGroup | None, dtype: torch.dtype
+) -> tuple[nn.Linear, bool]:
+    """The head over the embedding's rows (padded to the ranks' equal shares), its weight the
+    embedding's own when `tie`; and whether it is tied."""
+    vocab = config.vocab_size if tp is None else embed.weight.shape[0]
+    head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
+    if tie:
+        head.weight = embed.weight
+    return head, tie
+
+
 class GemmaAttention(nn.Module):
     def __init__(
         self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None, dtype: torch.dtype = F32
@@ -77,9 +97,11 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config, tp: TPGroup | None = None, dtype: torch.dtype = F32, width: int | None = None
+    ) -> None:
         super().__init__()
-        width = config.intermediate_size // (tp.world if tp is not None else 1)
+        width = (width or config.intermediate_size) // (tp.world if tp is not None else 1)
         self.tp = tp
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=False, dtype=dtype)
@@ -91,6 +113,20 @@ class GemmaMLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def add_norms(layer: nn.Module, names: tuple[str, ...], config, ops: TorchOps, dtype: torch.dtype) -> None:
+    """RMSNorms over the hidden size under `names` (a Gemma layer's four, and Gemma 4's MoE three)."""
+    for name in names:
+        setattr(layer, name, RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype))
+
+
 class GemmaDecoderLayer(nn.Module):
     def __init__(
         self, config, layer_type: str, ops: TorchOps, tp: TPGroup | None = None, dtype: torch.dtype = F32
@@ -98,11 +134,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = GemmaAttention(config, layer_type, ops, tp, dtype)
         self.mlp = GemmaMLP(config, tp, dtype)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
+        add_norms(self, NORMS, config, ops, dtype)
 
     def forward(self, x, rope, k_cache, v_cache, meta, backend):
         attn = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
@@ -126,13 +158,7 @@ class GemmaLM(nn.Module):
                 raise ValueError(f"{cap} is not supported")
         self.head_dim = config.head_dim
         self.tp, self.vocab_size = tp, config.vocab_size
-        scale = config.hidden_size**0.5
-        if tp is None:
-            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, scale, dtype)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, tp, scale, dtype
-            )
+        self.embed_tokens = scaled_embedding(config, tp, dtype)
         self.layer_types = list(config.layer_types)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, kind, ops, tp, dtype) for kind in self.layer_types
@@ -142,11 +168,7 @@ class GemmaLM(nn.Module):
         self.rotary = nn.ModuleDict(
             {kind: Rotary(config, config.head_dim, layer_type=kind) for kind in sorted(set(self.layer_types))}
         )
-        vocab = config.vocab_size if tp is None else self.embed_tokens.weight.shape[0]
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
-        self.tied_lm_head = tie_embeddings
-        if tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head, self.tied_lm_head = lm_head(config, self.embed_tokens, tie_embeddings, tp, dtype)
 
     def forward(
         self, embeds, positions, kv_k, kv_v, meta: AttentionMetadata, backend: AttentionBackend,

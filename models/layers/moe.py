@@ -96,7 +96,7 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalise = getattr(config, "norm_topk_prob", None) is not False  # Qwen3-VL-MoE: always
         self.gate = _Router(experts, hidden, dtype)
-        self.experts = _Experts(experts, hidden, width, dtype)
+        self.experts = Experts(experts, hidden, width, dtype)
         self.act = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"  # the ops' fused SiLU-and-multiply
         self.ops, self.tp = ops, tp
@@ -144,7 +144,9 @@ class _Router(nn.Module):
         return weights.to(x.dtype), chosen
 
 
-class _Experts(nn.Module):
+class Experts(nn.Module):
+    """Every expert's gate and up `[experts, hidden, 2 x width]`, its down `[experts, width, hidden]`."""
+
     def __init__(self, experts: int, hidden: int, width: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num = experts
