@@ -4,6 +4,7 @@ Nothing is downloaded."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -156,8 +157,11 @@ def tiny_text(vocab_size: int, eos: int, pad: int, bos: int | None, overrides: d
     return {**text, **family, **(overrides or {})}
 
 
-def save_random_model(cfg, path: Path, seed: int, weight_scale: float, dtype: torch.dtype) -> None:
-    """transformers' model for `cfg` with random weights, saved as a checkpoint."""
+def save_random_model(
+    cfg, path: Path, seed: int, weight_scale: float, dtype: torch.dtype, adjust: Callable | None = None
+) -> None:
+    """transformers' model for `cfg` with random weights, saved as a checkpoint; `adjust(model)`
+    (seeded too) may set what random matrices leave at their constant init."""
     from transformers import AutoModelForImageTextToText
 
     # The seed applies inside this block only: the caller's random stream is left as it was.
@@ -168,4 +172,8 @@ def save_random_model(cfg, path: Path, seed: int, weight_scale: float, dtype: to
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(weight_scale)
+        if adjust is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 1)
+                adjust(model)
     model.to(dtype).save_pretrained(path)

@@ -12,7 +12,7 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|> "
 ALL_FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm",
     "internvl", "internvl_qwen3", "mistral3", "lighton_ocr", "llava_next", "llava_onevision", "gemma3",
-    "glm4v", "glm_ocr",
+    "glm4v", "glm_ocr", "gemma4",
 ]  # fmt: skip
 
 
@@ -29,6 +29,9 @@ def family_prompt(family: str, question: str, n_images: int = 0) -> str:
     if family == "gemma3":
         images = "<start_of_image>" * n_images
         return f"<bos><start_of_turn>user\n{images} {question}<end_of_turn>\n<start_of_turn>model\n"
+    if family.startswith("gemma4"):
+        images = "<|image|>" * n_images
+        return f"<bos><|turn>user\n{images} {question}<turn|>\n<|turn>model\n"
     if family.startswith("glm"):
         images = "<|begin_of_image|><|image|><|end_of_image|> " * n_images
         return f"[gMASK]<sop><|user|> {images}{question} <|assistant|> "

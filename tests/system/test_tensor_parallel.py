@@ -237,7 +237,8 @@ def test_swap_preemption_over_the_ranks(clip_llama):
 # (linear-attention heads and their state split, gated attention, the shared expert), Idefics3
 # (padded crops with a pixel mask), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
 # (patch merger), LLaVA-OneVision (anyres packing, Qwen2's biases), GLM-4.1V (sandwich norms, the
-# interleaved partial rotary, the fused gate_up split on load). Their twins share these paths:
+# interleaved partial rotary, the fused gate_up split on load), Gemma 4 (per-layer embeddings whole
+# on every rank, KV-sharing layers, global heads of their own size). Their twins share these paths:
 # Qwen2.5-VL, SmolVLM, InternVL-Qwen3, LLaVA-NeXT, GLM-4.6V, GLM-OCR. LLaVA is above, Gemma 3 in
 # tests/families/test_gemma3.py.
 @pytest.mark.parametrize(
@@ -253,6 +254,7 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         "lighton_ocr",
         "llava_onevision",
         "glm4v",
+        "gemma4",
     ],
 )
 def test_the_families_split_over_two_ranks(vl_family, family):
@@ -267,6 +269,26 @@ def test_the_families_split_over_two_ranks(vl_family, family):
         for out, (text, imgs, n) in zip(outs, cases, strict=True):
             assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
         assert llm.engine.core.runner.encoder.images_per_rank[1] > 0
+    finally:
+        llm.close()
+
+
+def test_gemma4_moe_over_two_ranks(tmp_path):
+    """Gemma 4's 26B-A4B line at TP=2 (two global KV heads so they split): each expert's width and
+    the dense MLP split, the router whole, images kept whole in a step as they attend both ways."""
+    from helpers.reference import FamilyReference
+    from mm_engine.testing import build_checkpoint
+
+    path = str(build_checkpoint("gemma4_moe", tmp_path / "g", text_dims={"num_global_key_value_heads": 2}))
+    ref = FamilyReference(path)
+    two = [make_image(3, (40, 60)), make_image(4, (64, 32))]
+    cases = [(family_prompt("gemma4", "describe both", 2), two, 6),
+             (family_prompt("gemma4", "hello there", 0), [], 6)]  # fmt: skip
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory_bytes=8 * 1024**2, max_num_batched_tokens=512)
+    try:
+        outs = llm.generate([mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases])
+        for out, (text, imgs, n) in zip(outs, cases, strict=True):
+            assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
     finally:
         llm.close()
 
