@@ -35,7 +35,9 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4Model", "Gemma4Processing"),
     "Glm4vForConditionalGeneration": ("glm4v", "Glm4vModel", "GlmProcessing"),
     "Glm46VForConditionalGeneration": ("glm4v", "Glm46VModel", "GlmProcessing"),
+    "Glm4vMoeForConditionalGeneration": ("glm4v", "Glm4vMoeModel", "GlmProcessing"),
     "GlmOcrForConditionalGeneration": ("glm4v", "GlmOcrModel", "GlmProcessing"),
+    "PaddleOCRVLForConditionalGeneration": ("paddleocr_vl", "PaddleOCRVLModel", "PaddleOCRProcessing"),
 }
 # The config's model_type for each, when a config names no architecture.
 MODEL_TYPES = {
@@ -57,7 +59,9 @@ MODEL_TYPES = {
     "gemma4": "Gemma4ForConditionalGeneration",
     "glm4v": "Glm4vForConditionalGeneration",
     "glm46v": "Glm46VForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     "glm_ocr": "GlmOcrForConditionalGeneration",
+    "paddleocr_vl": "PaddleOCRVLForConditionalGeneration",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 

@@ -267,6 +267,10 @@ class Qwen2VLModel(MultimodalModel):
     # as offsets, checkpoint keys to skip; GLM: its decoder and its tower).
     lm_class: type[DecoderLM] = DecoderLM
 
+    @classmethod
+    def language_model_class(cls, text_config) -> type[DecoderLM]:
+        return cls.lm_class
+
     @staticmethod
     def route(key: str) -> tuple[str, str] | None:
         return _route(key)
@@ -287,9 +291,9 @@ class Qwen2VLModel(MultimodalModel):
         parts = split_by_prefix(read_weights(path), cls.route, cls.family)
         text = config.text_config
         streams = mrope_streams(text.rope_parameters["mrope_section"], cls.interleaved_mrope)
-        weights = cls.lm_weights(parts.get("lm", {}), text)
+        weights, lm_class = cls.lm_weights(parts.get("lm", {}), text), cls.language_model_class(text)
         lm = build_language_model(
-            weights, text, dtype, device, platform.ops, streams, cls.qk_norm, tp, cls.lm_class
+            weights, text, dtype, device, platform.ops, streams, cls.qk_norm, tp, lm_class
         )  # fmt: skip
         tower = cls.build_tower(config, platform.ops).to(device=device, dtype=vision_dtype)
         load_strict(tower, tower.checkpoint_state(materialize(parts.get("vision", {}))), "vision tower")

@@ -125,7 +125,7 @@ def check_divisible(text_config, world: int) -> None:
                 raise ValueError(f"tensor_parallel_size {world} does not divide layer {i}'s {n} KV heads")
     else:
         names.append("num_key_value_heads")
-    if getattr(text_config, "num_experts", 0):
+    if getattr(text_config, "num_experts", 0) or getattr(text_config, "n_routed_experts", 0):
         names.append("moe_intermediate_size")  # each expert's width is split too
     optional = (
         "intermediate_size",

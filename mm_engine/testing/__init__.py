@@ -37,7 +37,9 @@ _BUILDERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma4_moe": ("gemma4", "build_gemma4_checkpoint", {"version": "moe"}),
     "glm4v": ("glm", "build_glm_checkpoint", {"version": "glm4v"}),
     "glm46v": ("glm", "build_glm_checkpoint", {"version": "glm46v"}),
+    "glm4v_moe": ("glm", "build_glm_checkpoint", {"version": "glm4v_moe"}),
     "glm_ocr": ("glm", "build_glm_checkpoint", {"version": "glm_ocr"}),
+    "paddleocr_vl": ("paddleocr", "build_paddleocr_checkpoint", {}),
 }
 FAMILIES = tuple(_BUILDERS)
 

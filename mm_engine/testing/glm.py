@@ -23,7 +23,23 @@ GLM_CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %} {% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
-VERSIONS = ("glm4v", "glm46v", "glm_ocr")
+VERSIONS = ("glm4v", "glm46v", "glm_ocr", "glm4v_moe")
+# GLM-4.5V's mixture of experts, tiny: layer 0 dense, then 4 experts in 2 groups (the best group
+# kept, top 2 in it) plus one shared expert, each of width 32.
+MOE_TEXT = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.5,
+    norm_topk_prob=True,
+    num_hidden_layers=3,
+    attention_bias=True,
+    head_dim=32,
+)
 
 
 def build_glm_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
@@ -59,7 +75,8 @@ def build_glm_checkpoint(
     tokenizer = build_glm_tokenizer(vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GLM_SPECIAL}
     text_type = f"{version}_text" if version != "glm46v" else "glm4v_text"
-    text = tiny_text(len(tokenizer), ids["<|user|>"], ids["<|endoftext|>"], None, text_dims,
+    family = {**(MOE_TEXT if version == "glm4v_moe" else {}), **(text_dims or {})}
+    text = tiny_text(len(tokenizer), ids["<|user|>"], ids["<|endoftext|>"], None, family,
                      rms_norm_eps=1e-5, model_type=text_type)  # fmt: skip
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     if version == "glm_ocr":
@@ -80,11 +97,22 @@ def build_glm_checkpoint(
         image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
         video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=False,
     )  # fmt: skip
-    save_random_model(cfg, path, seed, weight_scale, dtype)
+    save_random_model(cfg, path, seed, weight_scale, dtype, _spread_routers)
     if version == "glm_ocr":
         _save_prediction_layer(path, text, seed)
     _save_processor(path, version, tokenizer, patch_size, min_pixels, max_pixels)
     return path
+
+
+def _spread_routers(model) -> None:
+    """GLM-4.5V's router starts at zero (every expert's score 1/2, all tied): random weights, and a
+    score correction that moves some choices."""
+    with torch.no_grad():
+        for name, value in (*model.named_parameters(), *model.named_buffers()):
+            if name.endswith("mlp.gate.weight"):
+                value.normal_(0.0, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                value.normal_(0.0, 0.2)
 
 
 def _save_prediction_layer(path: Path, text: dict, seed: int) -> None:

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 FAMILIES = [
     "qwen2_5_vl", "qwen3_5", "smolvlm", "internvl", "mistral3", "lighton_ocr", "llava_next",
-    "llava_onevision", "gemma3", "glm_ocr", "gemma4",
+    "llava_onevision", "gemma3", "glm_ocr", "gemma4", "paddleocr_vl",
 ]  # fmt: skip
 # (Qwen3-VL serves through the same Qwen paths as these two; its model is held to transformers by
 # test_qwen_vl.py and test_family_common.py.)

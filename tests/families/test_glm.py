@@ -1,18 +1,27 @@
-"""GLM-4.1V, GLM-4.6V and GLM-OCR: greedy tokens equal to transformers' `generate` on tiny random
-checkpoints (every attention backend, images split across prefill chunks, preemption), the tower
-and the M-RoPE positions against transformers', processing equal to the checkpoint's processor,
-the shared layers' GLM switches (interleaved partial rotary, sandwich norms), what is refused."""
+"""GLM-4.1V, GLM-4.6V, GLM-OCR and GLM-4.5V (the MoE line): greedy tokens equal to transformers'
+`generate` on tiny random checkpoints (every attention backend, images split across prefill
+chunks, preemption), the tower and the M-RoPE positions against transformers', processing equal
+to the checkpoint's processor, the shared layers' GLM switches (interleaved partial rotary,
+sandwich norms), what is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers.families import assert_all_free, engine, family_prompt, greedy, mm, run_batch_against
+from helpers.families import (
+    assert_all_free,
+    assert_tower_and_positions,
+    engine,
+    family_prompt,
+    greedy,
+    mm,
+    run_batch_against,
+)
 from helpers.images import make_image
 from helpers.video import clip, mp4
 
-VERSIONS = ["glm4v", "glm46v", "glm_ocr"]
+VERSIONS = ["glm4v", "glm46v", "glm_ocr", "glm4v_moe"]
 
 
 def prompt(question: str, n_images: int = 0) -> str:
@@ -43,25 +52,7 @@ def test_mixed_batch_matches_transformers(family, backend):
 
 
 def test_tower_and_positions_equal_transformers(family):
-    path, ref = family
-    llm = engine(path, "torch")
-    model = llm.engine.core.model
-    for text, imgs, _ in BATCH:
-        if not imgs:
-            continue
-        _, ids, spans = llm.engine.inputs.process(mm(text, imgs))
-        inputs = ref.inputs(text, imgs)
-        with torch.inference_mode():
-            got = torch.cat([e[:, 0] for e in model.encode(spans)])
-            want = ref.model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
-        want = torch.cat(list(want.pooler_output))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
-        mine = model.positions(ids, spans)
-        positions, delta = ref.model.model.get_rope_index(
-            input_ids=inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-            image_grid_thw=inputs["image_grid_thw"],
-        )  # fmt: skip
-        assert torch.equal(mine.prompt, positions[:, 0]) and mine.delta == int(delta)
+    assert_tower_and_positions(*family, BATCH)
 
 
 def test_preemption_recomputes_with_the_same_positions(vl_family):

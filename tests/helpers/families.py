@@ -12,7 +12,7 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|> "
 ALL_FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "idefics3", "smolvlm",
     "internvl", "internvl_qwen3", "mistral3", "lighton_ocr", "llava_next", "llava_onevision", "gemma3",
-    "glm4v", "glm_ocr", "gemma4",
+    "glm4v", "glm_ocr", "gemma4", "paddleocr_vl",
 ]  # fmt: skip
 
 
@@ -32,6 +32,9 @@ def family_prompt(family: str, question: str, n_images: int = 0) -> str:
     if family.startswith("gemma4"):
         images = "<|image|>" * n_images
         return f"<bos><|turn>user\n{images} {question}<turn|>\n<|turn>model\n"
+    if family == "paddleocr_vl":
+        images = "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>" * n_images
+        return f"<s>User: {images}{question}\nAssistant: "
     if family.startswith("glm"):
         images = "<|begin_of_image|><|image|><|end_of_image|> " * n_images
         return f"[gMASK]<sop><|user|> {images}{question} <|assistant|> "
@@ -62,6 +65,32 @@ def assert_all_free(llm: LLM) -> None:
     for pool in ("text", "image"):
         assert report[pool]["used_blocks"] == 0
         assert report[pool]["free_blocks"] + report[pool]["cached_blocks"] == report[pool]["total_blocks"]
+
+
+def assert_tower_and_positions(path: str, ref, cases: list[tuple[str, list, int]]) -> None:
+    """For a Qwen-line model (image grids, M-RoPE): each case's prompt ids, pixel values, tower
+    features and rotary positions equal to transformers' processor, `get_image_features` and
+    `get_rope_index`."""
+    llm = engine(path, "torch")
+    model = llm.engine.core.model
+    for text, imgs, _ in cases:
+        if not imgs:
+            continue
+        _, ids, spans = llm.engine.inputs.process(mm(text, imgs))
+        inputs = ref.inputs(text, imgs)
+        assert ids == inputs["input_ids"][0].tolist()
+        torch.testing.assert_close(torch.cat([s.pixel_values for s in spans]), inputs["pixel_values"])
+        with torch.inference_mode():
+            got = torch.cat([e[:, 0] for e in model.encode(spans)])
+            want = ref.model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+        want = torch.cat(list(want.pooler_output))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+        mine = model.positions(ids, spans)
+        positions, delta = ref.model.model.get_rope_index(
+            input_ids=inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"],
+        )  # fmt: skip
+        assert torch.equal(mine.prompt, positions[:, 0]) and mine.delta == int(delta)
 
 
 def run_batch_against(ref, path: str, backend: str, cases: list[tuple[str, list, int]], **kwargs) -> list:

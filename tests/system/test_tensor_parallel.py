@@ -237,8 +237,10 @@ def test_swap_preemption_over_the_ranks(clip_llama):
 # (linear-attention heads and their state split, gated attention, the shared expert), Idefics3
 # (padded crops with a pixel mask), InternVL (pixel shuffle, the tower/projector layout), Mistral 3
 # (patch merger), LLaVA-OneVision (anyres packing, Qwen2's biases), GLM-4.1V (sandwich norms, the
-# interleaved partial rotary, the fused gate_up split on load), Gemma 4 (per-layer embeddings whole
-# on every rank, KV-sharing layers, global heads of their own size). Their twins share these paths:
+# interleaved partial rotary, the fused gate_up split on load), GLM-4.5V (grouped sigmoid routing, shared
+# experts split like the dense MLP), Gemma 4 (per-layer embeddings whole
+# on every rank, KV-sharing layers, global heads of their own size), PaddleOCR-VL (its SigLIP tower and
+# projector whole on every rank, ERNIE-4.5 with M-RoPE split). Their twins share these paths:
 # Qwen2.5-VL, SmolVLM, InternVL-Qwen3, LLaVA-NeXT, GLM-4.6V, GLM-OCR. LLaVA is above, Gemma 3 in
 # tests/families/test_gemma3.py.
 @pytest.mark.parametrize(
@@ -254,7 +256,9 @@ def test_swap_preemption_over_the_ranks(clip_llama):
         "lighton_ocr",
         "llava_onevision",
         "glm4v",
+        "glm4v_moe",
         "gemma4",
+        "paddleocr_vl",
     ],
 )
 def test_the_families_split_over_two_ranks(vl_family, family):

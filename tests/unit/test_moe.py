@@ -101,3 +101,30 @@ def test_the_shared_expert_and_per_expert_checkpoints_equal_transformers_qwen3_5
     x = torch.randn(11, 16, generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(moe(x), ref(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_glm_grouped_router_and_shared_experts_equal_transformers_glm4v_moe_block():
+    """GLM-4.5V's block: sigmoid scores chosen within the best groups (shifted by the score
+    correction), renormalised and scaled, plus the ungated shared experts; experts as transformers
+    saves them (transposed)."""
+    from transformers import Glm4vMoeTextConfig
+    from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeTextMoE
+
+    from mm_engine.models.layers.moe import checkpoint_layout
+
+    cfg = Glm4vMoeTextConfig(
+        hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=6,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, hidden_act="silu",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    ref = Glm4vMoeTextMoE(cfg).eval()
+    with torch.no_grad():
+        for name, t in (*ref.named_parameters(), *ref.named_buffers()):
+            t.copy_(torch.randn(t.shape, generator=gen) * (0.3 if "bias" in name else 1.0))
+    moe = SparseMoE(cfg)
+    moe.load_state_dict(checkpoint_layout(dict(ref.state_dict()), cfg))
+    moe.fuse()
+    x = torch.randn(13, 16, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), ref(x[None])[0], rtol=1e-5, atol=1e-5)
+    assert [is_sparse(cfg, i) for i in range(3)] == [False, True, True]  # first_k_dense_replace 1
