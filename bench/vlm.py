@@ -140,9 +140,22 @@ GLM_OCR_TEXT_DIMS = dict(
     hidden_size=1536, intermediate_size=4608, num_hidden_layers=8, num_attention_heads=16,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=16384,
 )  # fmt: skip
+# The PaddleOCR-VL benchmark model: PaddleOCR-VL-0.9B's widths (a 1152-wide NaViT SigLIP of 14-pixel
+# patches; ERNIE-4.5, hidden 1024, 16 / 2 heads of 128, MLP 3072) at half its depths (14 tower and 9
+# language-model layers), the benchmark vocabulary, the processor's default bounds (384^2 to 1536^2
+# pixels): a 1240 x 1754 page is 1232 x 1764 pixels, 2,772 image tokens.
+PADDLE_NAME = "paddleocr-vl-like-v1"
+PADDLE_VISION_DIMS = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=14, num_attention_heads=16, image_size=384
+)
+PADDLE_TEXT_DIMS = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=9, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [16, 24, 24]},
+)  # fmt: skip
 PAGE_SIZE = (1240, 1754)  # A4 at 150 dpi
 MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5",
-                 "bench-lighton-ocr", "bench-glm-ocr")  # fmt: skip
+                 "bench-lighton-ocr", "bench-glm-ocr", "bench-paddleocr")  # fmt: skip
 
 
 def resolve_model(model: str | None) -> str:
@@ -162,6 +175,8 @@ def resolve_model(model: str | None) -> str:
         return str(bench_ocr_model_path())
     if model == "bench-glm-ocr":
         return str(bench_glm_ocr_model_path())
+    if model == "bench-paddleocr":
+        return str(bench_paddle_model_path())
     return model
 
 
@@ -170,6 +185,14 @@ def bench_glm_ocr_model_path() -> Path:
     return built_once(GLM_OCR_NAME, "the GLM-OCR benchmark model", lambda out: build_checkpoint(
         "glm_ocr", out, patch_size=14, min_pixels=112 * 112, max_pixels=28 * 28 * 15000,
         text_dims=GLM_OCR_TEXT_DIMS, vision_dims=GLM_OCR_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0,
+    ))  # fmt: skip
+
+
+def bench_paddle_model_path() -> Path:
+    """The PaddleOCR-VL-shaped benchmark model; built once."""
+    return built_once(PADDLE_NAME, "the PaddleOCR-VL benchmark model", lambda out: build_checkpoint(
+        "paddleocr_vl", out, patch_size=14, min_pixels=384 * 384, max_pixels=1536 * 1536,
+        text_dims=PADDLE_TEXT_DIMS, vision_dims=PADDLE_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0,
     ))  # fmt: skip
 
 
