@@ -39,6 +39,10 @@ KERNELS = (
 # in three alternating runs of SigLIP at 224 px x 16, Idefics3 and InternViT at 448 px x 1 and x 4
 # (0.84-1.06x at one 224 px image). On avx2 it is off until measured on an AVX2-only CPU in this
 # form (an earlier form, over transformers' per-image layout, lost there 0.80-0.93x).
+# Images of 2,048 patches or more (OCR pages) skip it (`ops.LONG_SEGMENT`): on the Zen 4 machine
+# (2026-12-05, one image, 16 heads, against SDPA) it ran at 0.77x SDPA's speed at 3,000 patches
+# of head 64, 0.55-0.65x at 6,000 to 11,088, and level (1.01-1.03x) at 8,580 to 11,088 of head 72:
+# it reads K and V rows a whole token apart (4 KiB at 16 heads of 64).
 # The windowed attention of Qwen2.5-VL's tower (16 to 256 windows of 64 patches, 12 heads of 64)
 # against SDPA over the windows batched by length: 1.8-1.9x on avx512, 1.5-1.9x on avx2.
 # The Gated DeltaNet decode step (`delta_rule`, bench/results/kernels_cpu_delta_rule.json) won

@@ -143,6 +143,9 @@ class TorchOps:
         return out
 
 
+LONG_SEGMENT = 2048  # rows of one image from which a tower's attention runs on SDPA
+
+
 class CpuOps(TorchOps):
     """The C kernels of `kernels.variant` for what `kernels.enabled` names, torch elsewhere (and
     wherever a kernel declines its inputs)."""
@@ -220,6 +223,10 @@ class CpuOps(TorchOps):
         return super().gated_rms_norm(x, gate, weight, eps)
 
     def varlen_attention(self, query, key, value, segments, scale):
+        # A page-sized image (OCR: thousands of patches) goes to SDPA: the C kernel reads K and V
+        # rows a whole token apart and lost to it there (kernels/cpu_kernels.py).
+        if max(segments.lens) >= LONG_SEGMENT:
+            return super().varlen_attention(query, key, value, segments, scale)
         if self.c_windows if segments.windows else self.c_vision:
             out = cpu_prefill.varlen(self.lib, query, key, value, segments.starts, segments.lens, scale)
             if out is not None:

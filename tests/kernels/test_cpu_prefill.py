@@ -148,3 +148,23 @@ def test_varlen_attention_over_packed_segments_matches_sdpa_per_segment(cpu_kern
     )
     torch.testing.assert_close(TORCH_OPS.varlen_attention(q, k, v, segments, 0.3), want, rtol=1e-5, atol=1e-6)
     assert cpu_prefill.varlen(cpu_kernels.lib, q.double(), k, v, segments.starts, segments.lens, 0.3) is None
+
+
+def test_page_sized_image_attention_runs_on_sdpa(cpu_kernels, monkeypatch):
+    """An image of `LONG_SEGMENT` rows or more (an OCR page) is not sent to the C kernel, which
+    lost to SDPA there; the batch's answer is still SDPA's per image."""
+    from mm_engine.kernels import ops as ops_module
+    from mm_engine.kernels.metadata import Segments
+
+    ops = CpuOps(cpu_kernels)
+    ops.c_vision = True
+    called = []
+    monkeypatch.setattr(cpu_prefill, "varlen", lambda *args: called.append(args))
+    g = torch.Generator().manual_seed(12)
+    segments = Segments.of([ops_module.LONG_SEGMENT, 7])
+    q, k, v = torch.randn(3, sum(segments.lens), 2, 8, generator=g)
+    out = ops.varlen_attention(q, k, v, segments, 0.5)
+    assert called == []
+    torch.testing.assert_close(out, ops_module.TORCH_OPS.varlen_attention(q, k, v, segments, 0.5))
+    ops.varlen_attention(q[-7:], k[-7:], v[-7:], Segments.of([7]), 0.5)  # a short image still goes to C
+    assert len(called) == 1
