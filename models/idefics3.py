@@ -26,10 +26,11 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_engine.models.interface import MultimodalModel, ProcessedImage, Processing
+from mm_engine.models.interface import MultimodalModel, ProcessedImage
 from mm_engine.models.layers.vit_tower import VitTower, tower_state
 from mm_engine.models.options import longest_edge
 from mm_engine.models.platform import Platform
+from mm_engine.models.smolvlm_video import SmolVLMVideo
 from mm_engine.models.weights import (
     build_language_model,
     load_strict,
@@ -52,10 +53,11 @@ def check_config(config) -> None:
         )
 
 
-class Idefics3Processing(Processing):
+class Idefics3Processing(SmolVLMVideo):
     """The checkpoint's own image processor (transformers'), one image per call, and the
     placeholder run built here from its rows and columns. Option: `longest_edge` (or vLLM's
-    `size: {"longest_edge": N}`), the side the image is resized to before tiling."""
+    `size: {"longest_edge": N}`), the side the image is resized to before tiling. SmolVLM2's
+    clips: models/smolvlm_video.py."""
 
     def __init__(self, path: Path, tokenizer, config, kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoProcessor
@@ -68,7 +70,8 @@ class Idefics3Processing(Processing):
         self.image_token_id = tokenizer.convert_tokens_to_ids(hf.image_token)
         self.fake = hf.fake_image_token
         self.global_tag = getattr(hf, "global_image_token", None) or hf.global_image_tag
-        self.edge = longest_edge(self.hf.size.longest_edge, kwargs)
+        self.init_video(hf, kwargs)
+        self.edge = longest_edge(self.hf.size.longest_edge, self.image_options(kwargs))
         self._salt = json.dumps(self.hf.to_dict(), sort_keys=True, default=str)
         self._runs: dict[tuple[int, int], tuple[list[int], tuple[bool, ...]]] = {}
 
@@ -91,7 +94,7 @@ class Idefics3Processing(Processing):
         return self._runs[rows, cols]
 
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
-        edge = longest_edge(self.edge, overrides)
+        edge = longest_edge(self.edge, self.image_options(overrides))
         out = self.hf(
             images=[[image]], size={"longest_edge": edge}, return_row_col_info=True, return_tensors="pt"
         )

@@ -42,6 +42,10 @@ class ProcessedImage:
     # before it and `<|vision_end|>` after): plain text, with text positions.
     text_before: tuple[int, ...] = ()
     text_after: tuple[int, ...] = ()
+    # Prompt text around a video frame's run for a family that writes it before the prompt is
+    # tokenized (`Processing.video_in_text`; SmolVLM2: the clip's intro and each frame's time).
+    prompt_before: str = ""
+    prompt_after: str = ""
 
 
 class Processing:
@@ -57,6 +61,10 @@ class Processing:
     # (start, end) token ids whose pair around the video placeholder the prompt's expansion drops,
     # since each frame's run brings its own (Qwen3-VL); None: the placeholder is replaced alone.
     video_wrapper: tuple[int, int] | None = None
+    # The clip's frames come with text (`ProcessedImage.prompt_before/after`) that is tokenized
+    # with the prompt, as the processor does (SmolVLM2): each video placeholder of the prompt
+    # text becomes that text with one image placeholder per frame, so a video needs a text prompt.
+    video_in_text: bool = False
 
     def process(self, image: Image.Image, overrides: Mapping[str, Any] | None = None) -> ProcessedImage:
         raise NotImplementedError

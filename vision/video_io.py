@@ -13,7 +13,9 @@ patch), spread evenly over the clip; or exactly `num_frames`. Two families sprea
 way (`spread`): Qwen3-VL takes any count (its processor pads the last temporal patch) from the
 first frame to the last (`linspace`); InternVL takes the middle frame of each of n equal
 segments (`centers`, its `initial_shift`) and LLaVA-OneVision the first (`uniform`,
-transformers' default `i x total // n`), with no minimum and no rounding.
+transformers' default `i x total // n`), with no minimum and no rounding; SmolVLM2 takes
+`round(seconds x fps)` frames at most `max_frames`, leaves out a second at each end of a clip
+long enough, spreads them from first to last rounding down and drops repeats (`trimmed`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class VideoLimits:
     max_decoded_bytes: int = 2 * 1024**3  # the sampled frames as RGB bytes
 
 
-SPREADS = ("even", "linspace", "centers", "uniform")
+SPREADS = ("even", "linspace", "centers", "uniform", "trimmed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +63,8 @@ class FrameSampling:
     min_frames: int = 4
     max_frames: int = 768
     factor: int = 2  # frame counts are rounded down to a multiple of this
-    spread: str = "even"  # or "linspace" (Qwen3-VL), "centers" (InternVL), "uniform": module docstring
+    # or "linspace" (Qwen3-VL), "centers" (InternVL), "uniform", "trimmed" (SmolVLM2): module docstring
+    spread: str = "even"
 
     def __post_init__(self) -> None:
         if self.fps is not None and self.num_frames is not None:
@@ -82,6 +85,9 @@ class Video:
     fps: float  # the source's frame rate
     indices: list[int]  # the source frame of each sampled frame
     total_frames: int  # frames in the source
+    # The source's length in seconds where it was decoded here (frames / rate, as transformers'
+    # decoders report it); None for frames given already sampled.
+    seconds: float | None = None
 
     @property
     def sampled_fps(self) -> float:
@@ -120,6 +126,8 @@ def sample_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]
 
 
 def _spread_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
+    if sampling.spread == "trimmed":
+        return _trimmed_indices(total, fps, sampling)
     n = sampling.num_frames
     if n is None and sampling.spread == "linspace":
         n = min(max(int(total / fps * sampling.fps), sampling.min_frames), sampling.max_frames, total)
@@ -136,6 +144,23 @@ def _spread_indices(total: int, fps: float, sampling: FrameSampling) -> list[int
     if sampling.spread == "uniform":
         return [i * total // n for i in range(n)]
     return torch.arange(total / n / 2, total, total / n).int().tolist()
+
+
+def _trimmed_indices(total: int, fps: float, sampling: FrameSampling) -> list[int]:
+    """SmolVLM2's rule (its video processor's `sample_frames`, with one second left out at each
+    end when the clip is longer than two seconds plus its frame cap at the sampling rate)."""
+    seconds = total / fps
+    rate = sampling.fps or 1.0  # with num_frames, the trim test reads the processor's 1 fps
+    cap = sampling.num_frames or sampling.max_frames
+    n = sampling.num_frames or max(min(round(rate * seconds), sampling.max_frames), 1)
+    if n > total and sampling.num_frames is not None:
+        raise VideoError(f"num_frames={n} is more than the clip's {total} frames")
+    start, end = 0, total - 1
+    if seconds - 2 > cap * rate:
+        start, end = int(fps), min(int(total - fps), total - 1)
+        if start >= end:
+            start, end = 0, total - 1
+    return np.unique(np.linspace(start, end, n, dtype=int)).tolist()
 
 
 def probe(data: bytes | Path, limits: VideoLimits) -> ClipInfo:
@@ -264,7 +289,7 @@ def _decode(
             raise
         except Exception as exc:
             raise VideoError("the clip is truncated or corrupt (a frame could not be decoded)") from exc
-    return Video(torch.from_numpy(np.stack(frames)), info.fps, indices, info.frames)
+    return Video(torch.from_numpy(np.stack(frames)), info.fps, indices, info.frames, info.frames / info.fps)
 
 
 def _seek_decode(container, times: list[float], fps: float) -> list[np.ndarray]:

@@ -5,6 +5,7 @@ What an image becomes is the model family's `Processing`; this file is family-bl
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -103,39 +104,90 @@ class InputProcessor:
         images = list(images) if isinstance(images, list | tuple) else [images]
         videos = _videos(mm.get("video"))
         text = prompt.get("prompt")
-        if "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-        elif isinstance(text, str):
-            self.check_length(len(text))
-            ids = self.tokenizer(text)["input_ids"]
-        else:
-            raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
-        if not ids:
-            raise ValueError("the prompt is empty")
         overrides = prompt.get("mm_processor_kwargs")
         if overrides is not None and not isinstance(overrides, Mapping):
             raise ValueError("mm_processor_kwargs must be a dict of processor options")
-        return text, *self.expand(ids, images, overrides, videos)
+        if "prompt_token_ids" in prompt:
+            if videos and self.processing.video_in_text:
+                raise ValueError(
+                    f"{_family(self.processing)} writes text around a clip's frames before tokenizing: "
+                    "a video needs a 'prompt' string, not 'prompt_token_ids'"
+                )
+            ids = list(prompt["prompt_token_ids"])
+            if not ids:
+                raise ValueError("the prompt is empty")
+            return text, *self.expand(ids, images, overrides, videos)
+        if not isinstance(text, str):
+            raise ValueError("a prompt dict needs a 'prompt' string or 'prompt_token_ids'")
+        self.check_length(len(text))
+        return text, *self.tokenize(text, images, overrides, videos, add_special_tokens=True)
+
+    def tokenize(
+        self, text: str, images: list[Any], overrides: Mapping[str, Any] | None, videos: list[Any],
+        add_special_tokens: bool,
+    ) -> tuple[list[int], list[ImageSpan]]:  # fmt: skip
+        """Tokenize prompt text and expand its placeholders; a family that writes text around a
+        clip's frames (`Processing.video_in_text`) gets its clips processed and written in first."""
+        layout = None
+        if videos and self.processing.video_in_text:
+            text, layout = self._write_clips(text, videos, overrides)
+            videos = []
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return self.expand(ids, images, overrides, videos, layout)
+
+    def _write_clips(
+        self, text: str, videos: list[Any], overrides: Mapping[str, Any] | None
+    ) -> tuple[str, list[ProcessedImage | None]]:
+        """Each video placeholder in `text` becomes its clip's text with one image placeholder per
+        frame; also returned: the image placeholders in order, None for an image, else the frame."""
+        image, video = self.image_token, self.processing.video_token
+        pieces = re.split(f"({re.escape(image)}|{re.escape(video)})", text)
+        if pieces.count(video) != len(videos):
+            raise ValueError(
+                f"the prompt has {pieces.count(video)} video placeholder(s) ({video}) but {len(videos)} "
+                "video(s) were given"
+            )
+        clips = iter([self._video(v, i, overrides) for i, v in enumerate(videos)])
+        out: list[str] = []
+        layout: list[ProcessedImage | None] = []
+        for piece in pieces:
+            if piece == video:
+                frames = next(clips)
+                layout.extend(frames)
+                out.extend(f.prompt_before + image + f.prompt_after for f in frames)
+                continue
+            if piece == image:
+                layout.append(None)
+            out.append(piece)
+        return "".join(out), layout
 
     def expand(
         self, ids: list[int], images: list[Any], overrides: Mapping[str, Any] | None = None,
-        videos: list[Any] = (),
+        videos: list[Any] = (), layout: list[ProcessedImage | None] | None = None,
     ) -> tuple[list[int], list[ImageSpan]]:  # fmt: skip
-        """Replace each image (and video) placeholder with its run of tokens, processing each."""
+        """Replace each image (and video) placeholder with its run of tokens, processing each.
+        `layout` (`_write_clips`): the image placeholders in order, None for an image, else the
+        video frame written there."""
         video_id = self.processing.video_token_id
         if videos and video_id is None:
             self.processing.video_sampling(overrides)  # the family's own reason, where it has one
             raise ValueError(f"{_family(self.processing)} does not read video")
-        placeholders = [("image", self.image_token_id, self.image_token, images),
-                        ("video", video_id, self.processing.video_token, videos)]  # fmt: skip
-        for kind, token, name, given in placeholders:
-            n = ids.count(token) if token is not None else 0
+        frames = [f for f in layout or () if f is not None]
+        placeholders = [("image", self.image_token_id, self.image_token, images, len(frames)),
+                        ("video", video_id, self.processing.video_token, videos, 0)]  # fmt: skip
+        for kind, token, name, given, written in placeholders:
+            n = (ids.count(token) if token is not None else 0) - written
             if n != len(given):
                 raise ValueError(
                     f"the prompt has {n} {kind} placeholder(s) ({name}) but {len(given)} {kind}(s) were given"
                 )
         pils = [self._load(img, i) for i, img in enumerate(images)]
         processed = iter(self._process(pils, overrides))
+        # What each image placeholder gets, in order: an image's run, or a frame written there.
+        order = layout if layout is not None else [None] * len(pils)
+        slots = iter([(next(processed), False) if f is None else (f, True) for f in order])
         clips = iter([self._video(v, i, overrides) for i, v in enumerate(videos)])
         out: list[int] = []
         spans: list[ImageSpan] = []
@@ -144,7 +196,8 @@ class InputProcessor:
             if i in dropped:
                 continue
             if tok == self.image_token_id:
-                items, video = [next(processed)], False
+                item, video = next(slots)
+                items = [item]
             elif video_id is not None and tok == video_id:
                 items, video = next(clips), True  # a clip's groups, one run after another
             else:
@@ -236,8 +289,7 @@ class InputProcessor:
             tools=tools or None, **extra,
         )  # fmt: skip
         # The template writes its own special tokens; adding them again would double the BOS.
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, *self.expand(ids, chat.images, overrides, chat.videos)
+        return text, *self.tokenize(text, chat.images, overrides, chat.videos, add_special_tokens=False)
 
 
 def _videos(given: Any) -> list[Any]:

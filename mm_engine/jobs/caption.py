@@ -70,12 +70,13 @@ class Captioner:
         self.prefetch = prefetch or max(2 * workers, 8)
         self.prompt = prompt
         self.video_options = dict(video_options or {})  # a clip's sampling (fps, max_frames)
-        self._prompts: dict[tuple[str, bool], tuple[str, list[int]]] = {}
+        self._prompts: dict[tuple[str, bool], tuple[str, list[int], bool]] = {}
         self.prompt_ids(prompt)  # a job whose own prompt cannot work fails before any image
 
-    def prompt_ids(self, prompt: str, video: bool = False) -> tuple[str, list[int]]:
-        """The full prompt text and its token ids, with one image (or video) placeholder:
-        tokenized once per distinct prompt (most jobs have a single one), not once per input."""
+    def prompt_ids(self, prompt: str, video: bool = False) -> tuple[str, list[int], bool]:
+        """The full prompt text, its token ids, with one image (or video) placeholder, and
+        whether tokenizing it adds the special tokens (not after a chat template): tokenized
+        once per distinct prompt (most jobs have a single one), not once per input."""
         if (prompt, video) in self._prompts:
             return self._prompts[prompt, video]
         inputs = self.inputs
@@ -86,7 +87,7 @@ class Captioner:
                 inputs.processing.video_sampling()  # the family says why it reads no video
             placeholder, token_id = inputs.processing.video_token, inputs.processing.video_token_id
         if placeholder in prompt:
-            text, ids = prompt, tok(prompt)["input_ids"]
+            text, ids, special = prompt, tok(prompt)["input_ids"], True
         elif inputs.chat_template is not None:
             part = {"type": "video" if video else "image"}
             message = {"role": "user", "content": [part, {"type": "text", "text": prompt}]}
@@ -94,19 +95,23 @@ class Captioner:
                 [message], chat_template=inputs.chat_template, tokenize=False, add_generation_prompt=True
             )
             ids = tok(text, add_special_tokens=False)["input_ids"]  # the template wrote BOS already
+            special = False
         else:
             raise ValueError(f"this model has no chat template: the prompt must contain {placeholder}")
-        if ids.count(token_id) != 1:
+        in_text = video and inputs.processing.video_in_text  # a clip written into the text, not the ids
+        if (text.count(placeholder) if in_text else ids.count(token_id)) != 1:
             kind = "video" if video else "image"
             raise ValueError(f"the prompt must contain exactly one {kind} placeholder {placeholder}")
         if len(self._prompts) >= 1024:  # many distinct manifest prompts: keep the cache bounded
             self._prompts.clear()
-        self._prompts[prompt, video] = (text, ids)
-        return text, ids
+        self._prompts[prompt, video] = (text, ids, special)
+        return text, ids, special
 
-    def _prepare(self, inp: CaptionInput, text: str, ids: list[int]):
+    def _prepare(self, inp: CaptionInput, text: str, ids: list[int], special: bool):
         """On a worker thread: read, decode and check the image, preprocess it, expand the ids."""
         source = inp.data if inp.data is not None else Path(inp.path or "")
+        if inp.video and self.inputs.processing.video_in_text:  # the clip's text, then tokenized
+            return text, *self.inputs.tokenize(text, [], self.video_options, [source], special)
         if inp.video:  # decoded, sampled and checked by the input processor
             data = {"video": source}
             return self.inputs.process(
@@ -123,12 +128,12 @@ class Captioner:
         try:
             if inp.error is not None:
                 raise ValueError(inp.error)
-            text, ids = self.prompt_ids(prompt, inp.video)
+            text, ids, special = self.prompt_ids(prompt, inp.video)
         except ValueError as exc:  # failed before any image is read: goes out the same way
             failed: Future = Future()
             failed.set_exception(exc)
             return inp, prompt, failed
-        return inp, prompt, pool.submit(self._prepare, inp, text, ids)
+        return inp, prompt, pool.submit(self._prepare, inp, text, ids, special)
 
     def run(self, inputs: Iterable[CaptionInput]) -> Iterator[dict]:
         """Yield a result record per input, in the order they finish (not the input order)."""

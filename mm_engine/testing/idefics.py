@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from mm_engine.testing.common import save_random_model, tiny_text, word_tokenizer
+from mm_engine.testing.common import build_bytelevel_tokenizer, save_random_model, tiny_text, word_tokenizer
 
 IDEFICS_SPECIAL = [
     "<|endoftext|>",
@@ -23,18 +23,21 @@ IDEFICS_CHAT_TEMPLATE = (
     "<|endoftext|>{% for message in messages %}{{ message['role'] | capitalize }}:"
     "{% if message['content'] is string %} {{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'video' %}<video>"
+    "{% elif part['type'] == 'text' %} {{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 VERSIONS = ("idefics3", "smolvlm")
 
 
-def build_idefics_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
-    fast = word_tokenizer(
-        IDEFICS_SPECIAL, "User: Assistant:", vocab_size,
-        bos_token="<|endoftext|>", eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
-    )  # fmt: skip
+def build_idefics_tokenizer(
+    vocab_size: int | None = None, byte_level: bool = False
+) -> PreTrainedTokenizerFast:
+    names = dict(bos_token="<|endoftext|>", eos_token="<end_of_utterance>", pad_token="<|endoftext|>")
+    if byte_level:  # as the published vocabularies are (SmolLM2's)
+        return build_bytelevel_tokenizer(vocab_size, IDEFICS_SPECIAL, **names)
+    fast = word_tokenizer(IDEFICS_SPECIAL, "User: Assistant:", vocab_size, **names)
     fast.add_tokens(["\n"])  # a token of its own, as in the real vocabularies
     return fast
 
@@ -50,16 +53,18 @@ def build_idefics_checkpoint(
     vocab_size: int | None = None,
     weight_scale: float = 4.0,
     dtype: torch.dtype = torch.float32,
+    byte_level: bool = False,
 ) -> Path:
     """A random checkpoint of one of `VERSIONS`; tiny by default: 32-pixel tiles of 8-pixel
     patches, 4 tokens per tile after the 2x2 pixel shuffle, images resized to 96 pixels at most
-    (up to 3x3 tiles plus the global one)."""
+    (up to 3x3 tiles plus the global one). `byte_level`: a byte-level BPE tokenizer instead of
+    the word-level one (text the processor writes, such as SmolVLM2's frame times, spelled out)."""
     from transformers import AutoConfig
 
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
     path = Path(path)
-    tokenizer = build_idefics_tokenizer(vocab_size)
+    tokenizer = build_idefics_tokenizer(vocab_size, byte_level)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in IDEFICS_SPECIAL}
     eos, pad = ids["<end_of_utterance>"], ids["<|endoftext|>"]
     text = tiny_text(len(tokenizer), eos, pad, pad, text_dims, model_type="llama")
@@ -81,7 +86,10 @@ def build_idefics_checkpoint(
         processor = SmolVLMProcessor(
             image_processor=SmolVLMImageProcessor(**sizes),
             tokenizer=tokenizer,
-            video_processor=SmolVLMVideoProcessor(),
+            # SmolVLM2's: 1 frame a second, at most `max_frames`, each frame one square tile.
+            video_processor=SmolVLMVideoProcessor(
+                **sizes, video_sampling={"fps": 1, "max_frames": 8, "video_size": sizes["size"]}
+            ),
             image_seq_len=seq_len,
             chat_template=IDEFICS_CHAT_TEMPLATE,
         )
