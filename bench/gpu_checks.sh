@@ -61,7 +61,9 @@ TAIL=12 step tests 150 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cac
 #     kernel), and the quantized checkpoints on it, against transformers' tokens.
 TAIL=8 step families 120 env MM_ENGINE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     tests/families/test_qwen_vl.py tests/families/test_tiled_vl.py tests/families/test_anyres_vl.py \
-    tests/families/test_gemma3.py tests/families/test_video.py tests/engine/test_quantization.py -k "triton"
+    tests/families/test_gemma3.py tests/families/test_video.py tests/engine/test_quantization.py \
+    tests/families/test_gemma4.py tests/families/test_glm.py tests/families/test_paddleocr.py \
+    tests/families/test_video_smolvlm.py -k "triton"
 
 # 2. The low-bit GEMMs against float16 at a 7B model's widths.
 TAIL=40 step qgemm 75 $PY -m bench.qgemm_gpu --json "$OUT/qgemm_gpu.json"

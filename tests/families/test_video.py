@@ -1,9 +1,9 @@
-"""Video through the engine (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the same sampled frames
-through the engine and through transformers' processor and `generate` give equal greedy tokens
-(one clip, a clip and an image, two clips of different lengths and rates, text only, in one mixed
-batch, blocks of 8 and a step budget of 16 tokens that splits every clip), on every backend; a
-clip written to mp4 round trips through decoding; Qwen3-VL's sampling and timestamps are its
-processor's; families that do not read video refuse it by name."""
+"""Video through the engine (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, their MoE variants): the
+same sampled frames through the engine and through transformers' processor and `generate` give
+equal greedy tokens (one clip, a clip and an image, two clips of different lengths and rates,
+text only, in one mixed batch, blocks of 8 and a step budget of 16 tokens that splits every
+clip), on every backend; a clip written to mp4 round trips through decoding; Qwen3-VL's sampling
+and timestamps are its processor's; families that do not read video refuse it by name."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def request(text: str, images: list, videos: list[tuple[torch.Tensor, float]]) -
     return {"prompt": text, "multi_modal_data": data}
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(
+    scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+)
 def family(request, vl_family):
     return vl_family(request.param)
 
