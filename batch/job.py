@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Iterable
 
 import msgspec
@@ -58,10 +59,13 @@ def sequences_of(body: msgspec.Struct) -> int:
     return prompts * body.n
 
 
-def report_refused(lines: Iterable[Line], out: ResultFile) -> int:
-    """Write each line that cannot run (and has no entry yet); the number of lines in all."""
+def report_refused(lines: Iterable[Line], out: ResultFile, stop: threading.Event | None = None) -> int:
+    """Write each line that cannot run (and has no entry yet); the number of lines in all. `stop`:
+    set from another thread (the batch was cancelled), the pass ends at the next line."""
     total = 0
     for line in lines:
+        if stop is not None and stop.is_set():
+            break
         total += 1
         if line.error is not None and line.number not in out.refused_lines:
             out.append(refused(line.custom_id, line.code, line.error, line.number))

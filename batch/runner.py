@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -166,7 +167,12 @@ class BatchRunner:
             raise LookupError(b.input_file_id)
         if b.status == "validating":  # a pass over the file, off the event loop
             lines = read_lines(path, b.endpoint, self.max_line_bytes)
-            b.request_counts.total = await asyncio.to_thread(report_refused, lines, err)
+            stop = threading.Event()  # a cancelled batch's thread stops too, not at the file's end
+            try:
+                b.request_counts.total = await asyncio.to_thread(report_refused, lines, err, stop)
+            except asyncio.CancelledError:
+                stop.set()
+                raise
             b.request_counts.failed = err.lines
             b.status, b.in_progress_at = "in_progress", int(self.clock())
             self.store.save(state)

@@ -114,3 +114,31 @@ def test_a_batch_line_never_goes_ahead_of_its_batch():
     assert BatchCaller(10).priority(3, open_) == 13 and BatchCaller(10).priority(-5, open_) == 10
     with pytest.raises(APIError, match="priority"):
         BatchCaller(10).priority(3, closed)
+
+
+def test_the_validation_pass_stops_when_its_batch_is_cancelled(tmp_path):
+    """The runner's pass over a file runs on a thread; a cancel sets its event and the pass ends
+    at the next line instead of reading the rest of the file."""
+    import threading
+
+    from mm_engine.batch.job import report_refused
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(["nope"] * 3 + [_line(f"l{i}", prompt="hi") for i in range(100)]) + "\n")
+    stop = threading.Event()
+    read = []
+
+    def lines():
+        for line in read_lines(path, "/v1/completions", 400):
+            read.append(line.number)
+            if len(read) == 5:
+                stop.set()  # the cancel arrives while line 5 is being read
+            yield line
+
+    out = ResultFile.open(tmp_path / "err.jsonl")
+    assert report_refused(lines(), out, stop) == 4 and len(read) == 5
+    assert out.refused_lines == {1, 2, 3}
+    out.close()
+    full = ResultFile.open(tmp_path / "err2.jsonl")
+    assert report_refused(read_lines(path, "/v1/completions", 400), full) == 103
+    full.close()
