@@ -124,19 +124,22 @@ def hf_run(job: Job) -> dict:
     pad = processor.tokenizer.pad_token_id
 
     def encode(texts: list[str], items: list) -> dict:
+        key = "pixel_values"
         if job.video:  # the frames as sampled, at their rate (Qwen2.5-VL's time positions)
             from transformers.video_utils import VideoMetadata
 
             meta = [VideoMetadata(len(f), fps=fps, frames_indices=list(range(len(f)))) for f, fps in items]
-            opts = dict(video_metadata=meta, do_sample_frames=False, cap_pixels_per_frame=True)
+            opts = dict(video_metadata=meta, do_sample_frames=False)
+            if hasattr(processor.video_processor, "cap_pixels_per_frame"):  # Qwen's per-frame pixel cap
+                opts["cap_pixels_per_frame"] = True
             videos = [f for f, _ in items]
             inputs = processor(
                 text=texts, videos=videos, videos_kwargs=opts, padding=True, return_tensors="pt"
             )
+            key = processor.video_processor.model_input_names[0]  # Qwen: pixel_values_videos
         else:
             inputs = processor(text=texts, images=items, padding=True, return_tensors="pt")
         inputs = inputs.to(job.device)
-        key = "pixel_values_videos" if job.video else "pixel_values"
         inputs[key] = inputs[key].to(dtype)
         return inputs
 

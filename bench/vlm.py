@@ -153,9 +153,21 @@ PADDLE_TEXT_DIMS = dict(
     num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [16, 24, 24]},
 )  # fmt: skip
+# The SmolVLM2 benchmark model (video): SmolVLM2-500M-Video's widths (a 768-wide SigLIP of 16-pixel
+# patches on 512-pixel frames, pixel shuffle 4: 64 tokens a frame; SmolLM2-360M, hidden 960, 15 / 5
+# heads of 64, MLP 2560) at half its depths (6 tower and 16 language-model layers), byte-level BPE.
+SMOLVLM2_NAME = "smolvlm2-like-v1"
+SMOLVLM2_VISION_DIMS = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=6, num_attention_heads=12, image_size=512,
+    patch_size=16,
+)  # fmt: skip
+SMOLVLM2_TEXT_DIMS = dict(
+    hidden_size=960, intermediate_size=2560, num_hidden_layers=16, num_attention_heads=15,
+    num_key_value_heads=5, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0,
+)  # fmt: skip
 PAGE_SIZE = (1240, 1754)  # A4 at 150 dpi
 MODEL_ALIASES = ("bench", "bench-bytelevel", "bench-even-heads", "bench-qwen2.5-vl", "bench-qwen3.5",
-                 "bench-lighton-ocr", "bench-glm-ocr", "bench-paddleocr")  # fmt: skip
+                 "bench-lighton-ocr", "bench-glm-ocr", "bench-paddleocr", "bench-smolvlm2")  # fmt: skip
 
 
 def resolve_model(model: str | None) -> str:
@@ -177,7 +189,17 @@ def resolve_model(model: str | None) -> str:
         return str(bench_glm_ocr_model_path())
     if model == "bench-paddleocr":
         return str(bench_paddle_model_path())
+    if model == "bench-smolvlm2":
+        return str(bench_smolvlm2_model_path())
     return model
+
+
+def bench_smolvlm2_model_path() -> Path:
+    """The SmolVLM2-shaped benchmark model (a frame is one 512-pixel tile); built once."""
+    return built_once(SMOLVLM2_NAME, "the SmolVLM2 benchmark model", lambda out: build_checkpoint(
+        "smolvlm", out, tile=512, longest_edge=512, scale_factor=4, text_dims=SMOLVLM2_TEXT_DIMS,
+        vision_dims=SMOLVLM2_VISION_DIMS, vocab_size=VOCAB, weight_scale=2.0, byte_level=True,
+    ))  # fmt: skip
 
 
 def bench_glm_ocr_model_path() -> Path:

@@ -54,11 +54,13 @@ def build_idefics_checkpoint(
     weight_scale: float = 4.0,
     dtype: torch.dtype = torch.float32,
     byte_level: bool = False,
+    scale_factor: int = 2,
 ) -> Path:
     """A random checkpoint of one of `VERSIONS`; tiny by default: 32-pixel tiles of 8-pixel
     patches, 4 tokens per tile after the 2x2 pixel shuffle, images resized to 96 pixels at most
     (up to 3x3 tiles plus the global one). `byte_level`: a byte-level BPE tokenizer instead of
-    the word-level one (text the processor writes, such as SmolVLM2's frame times, spelled out)."""
+    the word-level one (text the processor writes, such as SmolVLM2's frame times, spelled out).
+    `scale_factor`: the connector's pixel shuffle (SmolVLM2: 4, a frame of 512 pixels is 64 tokens)."""
     from transformers import AutoConfig
 
     if version not in VERSIONS:
@@ -68,7 +70,7 @@ def build_idefics_checkpoint(
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in IDEFICS_SPECIAL}
     eos, pad = ids["<end_of_utterance>"], ids["<|endoftext|>"]
     text = tiny_text(len(tokenizer), eos, pad, pad, text_dims, model_type="llama")
-    patch, scale = 8, 2
+    patch, scale = 8, scale_factor
     vision = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
         patch_size=patch,

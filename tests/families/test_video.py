@@ -317,11 +317,12 @@ def test_a_captioning_job_takes_clips_beside_images(vl_family, tmp_path):
     llm.close()
 
 
-def test_bench_offline_video_workload(vl_family, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "smolvlm"])
+def test_bench_offline_video_workload(vl_family, monkeypatch, name):
     from bench import offline
 
     monkeypatch.setenv("MM_ENGINE_BENCH_IN_PROCESS", "1")  # its runs without a spawn each
-    path, _ = vl_family("qwen2_5_vl")
+    path, _ = vl_family(name)
     res = offline.main(
         ["--model", path, "--workload", "video", "--num-images", "3", "--hf-batch-size", "3", "--check", "3",
          "--threads", "1", "--kv-cache-memory-bytes", str(8 * 1024**2), "--rate-sizes", "128"]
