@@ -44,8 +44,8 @@ class SmolVLMVideo(Processing):
             factor=1,
             spread="trimmed",
         )
-        self.sampling = base
-        self.sampling = self.video_sampling(options)
+        _check_options(options)
+        self.sampling = frame_sampling(base, options)  # the server's options over the checkpoint's
         self._video_salt = json.dumps(video_hf.to_dict(), sort_keys=True, default=str).encode()
 
     def image_options(self, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -57,12 +57,7 @@ class SmolVLMVideo(Processing):
     def video_sampling(self, overrides: Mapping[str, Any] | None = None) -> FrameSampling:
         if self.video_hf is None:
             return super().video_sampling(overrides)
-        unknown = sorted(set(overrides or {}) - set(SAMPLING_OPTIONS) - {"longest_edge", "size"})
-        if unknown:
-            raise ValueError(
-                f"unknown mm_processor_kwargs option {unknown[0]!r}; supported: longest_edge, "
-                f"size={{'longest_edge': N}}, {', '.join(SAMPLING_OPTIONS)}"
-            )
+        _check_options(overrides)
         return frame_sampling(self.sampling, overrides)
 
     def process_video(
@@ -105,3 +100,13 @@ class SmolVLMVideo(Processing):
                 )  # fmt: skip
             )
         return items
+
+
+def _check_options(options: Mapping[str, Any] | None) -> None:
+    """Refuse, by name, an option that is neither an image's nor a clip's sampling option."""
+    unknown = sorted(set(options or {}) - set(SAMPLING_OPTIONS) - {"longest_edge", "size"})
+    if unknown:
+        raise ValueError(
+            f"unknown mm_processor_kwargs option {unknown[0]!r}; supported: longest_edge, "
+            f"size={{'longest_edge': N}}, {', '.join(SAMPLING_OPTIONS)}"
+        )

@@ -174,8 +174,8 @@ class InputProcessor:
         if videos and video_id is None:
             self.processing.video_sampling(overrides)  # the family's own reason, where it has one
             raise ValueError(f"{_family(self.processing)} does not read video")
-        frames = [f for f in layout or () if f is not None]
-        placeholders = [("image", self.image_token_id, self.image_token, images, len(frames)),
+        frames = sum(f is not None for f in layout or ())  # image placeholders written for frames
+        placeholders = [("image", self.image_token_id, self.image_token, images, frames),
                         ("video", video_id, self.processing.video_token, videos, 0)]  # fmt: skip
         for kind, token, name, given, written in placeholders:
             n = (ids.count(token) if token is not None else 0) - written
