@@ -4,8 +4,8 @@
  * the weights become floats in registers, never in memory, and every sum is float32.
  *
  * Layout: the panels of cpu_gemm.c (NR output columns each, [panels][K][NR] elements, N padded with
- * zero columns), one element per weight, except int4: two k share a byte, [panels][K / 2][NR], k
- * even in the low nibble, k odd in the high one. Scales and zero points: [panels][K / group][NR]
+ * zero columns), one element per weight, except int4: eight k share a 32-bit word,
+ * [panels][K / 8][NR] words, k = 8i + j in bits 4j..4j+3 of word i (K and the group a multiple of 8). Scales and zero points: [panels][K / group][NR]
  * floats. A weight is (q - zero) * scale: for int8 and fp8 the zero is 0, for int4 it is 8
  * (symmetric) unless `zeros` gives one per column and group (int4 only).
  *
@@ -64,26 +64,28 @@ static inline vec from_fp8(const uint8_t *p) {
 
 static inline vec from_int8(const uint8_t *p) { return __builtin_convertvector(widen_i8(p), vec); }
 
-/* int4 pairs, one byte a lane. The tiles take the values as stored (0..15) and subtract the zero
- * point (8, or the stored one) per group; `stored_values` gives them signed (q - 8). AVX-512 looks a
- * nibble up in a table of the 16 floats (vpermps reads an index's low 4 bits only): one instruction
- * where masking, converting and offsetting take three. */
-static inline ivec bytes(const uint8_t *p) { return widen_u8(p); }
-#if MM_VEC_BYTES == 64
-#define NIBBLE_TABLE (vec){0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f}
-static inline vec low_nibbles(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)v, (__m512)NIBBLE_TABLE); }
-static inline vec high_nibbles(ivec v) { return (vec)_mm512_permutexvar_ps((__m512i)(v >> 4), (__m512)NIBBLE_TABLE); }
+/* int4: eight consecutive k of one column in a 32-bit lane, k + j in bits 4j..4j+3, so one vector
+ * load holds eight weight rows of LANES columns. A nibble moved into the top of float32's mantissa
+ * under the exponent of 16 is the float 16 + q: a shift and a mask-and-or per vector, no conversion
+ * and no shuffle (the shuffle units were the bound of the byte layout's widen and table lookup). The
+ * tiles take the values as 16 + q and subtract 16 + zero; `stored_values` gives them signed (q - 8). */
+typedef uint32_t u32vec_u __attribute__((vector_size(MM_VEC_BYTES), aligned(4), may_alias));
+static inline u32vec load_u32(const uint8_t *p) { return *(const u32vec_u *)p; }
+static inline vec nibble_16(u32vec d, int j) {
+    const u32vec m = j <= 4 ? d << (19 - 4 * j) : d >> (4 * j - 19);
+#if MM_VEC_BYTES == 64 /* (m & mask) | exponent in one instruction that overwrites m, not a copy */
+    return (vec)_mm512_ternarylogic_epi32((__m512i)m, _mm512_set1_epi32(0x00780000), _mm512_set1_epi32(0x41800000), 0xEA);
 #else
-static inline vec low_nibbles(ivec v) { return __builtin_convertvector(v & 15, vec); }
-static inline vec high_nibbles(ivec v) { return __builtin_convertvector(v >> 4, vec); }
+    return (vec)((m & 0x00780000u) | 0x41800000u);
 #endif
+}
+#define INT4_K 8 /* k per 32-bit lane */
 
-/* The stored values of weight row k, vector c of a panel, as floats (int4 signed: q - 8). A tile
- * reads an int4 byte once for both of its k (low_nibbles, high_nibbles); this reads one. */
+/* The stored values of weight row k, vector c of a panel, as floats (int4 signed: q - 8). */
 static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
     if (kind == W_UINT4) {
-        const ivec b = bytes(w + (k / 2) * QNR + c * LANES);
-        return (k % 2 ? high_nibbles(b) : low_nibbles(b)) - 8.f;
+        const u32vec d = load_u32(w + ((k / INT4_K) * QNR + c * LANES) * 4);
+        return __builtin_convertvector((ivec)((d >> (4 * (k % INT4_K))) & 15u), vec) - 8.f;
     }
     const uint8_t *p = w + (k * QNR + c * LANES) * (kind == W_BF16 ? 2 : 1);
     return kind == W_BF16 ? from_bf16(p) : kind == W_FP8 ? from_fp8(p) : from_int8(p);
@@ -102,42 +104,49 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
                                                const float *s, const float *z, int K, int group,         \
                                                const float *xsum, int groups, const float *init,         \
                                                float *y, int64_t ldy, int ncols) {                       \
-        enum { GROUPED = kind != W_BF16 && R <= GROUPED_ROWS, STEP = kind == W_UINT4 ? 2 : 1 };           \
+        enum { GROUPED = kind != W_BF16 && R <= GROUPED_ROWS, STEP = kind == W_UINT4 ? INT4_K : 1 };     \
         vec a[R][QNV];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
             for (int c = 0; c < QNV; c++) a[r][c] = init ? load(init + c * LANES) : (vec){};             \
         for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {                                              \
             const int g1 = g0 + group < K ? g0 + group : K;                                              \
             vec sc[QNV], zc[QNV], acc[R][QNV];                                                           \
-            for (int c = 0; c < QNV; c++) {                                                              \
+            for (int c = 0; c < QNV; c++) { /* int4: 16 + zero, as the values are 16 + q */              \
                 sc[c] = s ? load(s + c * LANES) : splat(1.f);                                            \
-                zc[c] = z ? load(z + c * LANES) : splat(8.f);                                            \
+                zc[c] = (z ? load(z + c * LANES) : splat(8.f)) + 16.f;                                   \
             }                                                                                            \
             if (s) s += QNR;                                                                             \
             if (z) z += QNR;                                                                             \
             for (int r = 0; GROUPED && r < R; r++)                                                       \
                 for (int c = 0; c < QNV; c++) acc[r][c] = (vec){};                                       \
             for (int k = g0; k < g1; k += STEP) {                                                        \
-                vec q[STEP][QNV];                                                                        \
-                for (int c = 0; c < QNV; c++) {                                                          \
-                    if (kind == W_UINT4) {                                                               \
-                        const ivec b = bytes(w + (int64_t)(k / 2) * QNR + c * LANES);                   \
-                        q[0][c] = low_nibbles(b);                                                      \
-                        q[STEP - 1][c] = high_nibbles(b);                                              \
-                    } else {                                                                             \
-                        q[0][c] = stored_values(w, kind, k, c);                                          \
-                    }                                                                                    \
-                    for (int j = 0; !GROUPED && kind != W_BF16 && j < STEP; j++)                         \
-                        q[j][c] = kind == W_UINT4 ? (q[j][c] - zc[c]) * sc[c] : q[j][c] * sc[c];          \
-                }                                                                                        \
-                for (int j = 0; j < STEP; j++)                                                           \
-                    for (int r = 0; r < R; r++) {                                                        \
-                        const vec xr = splat(x[r * ldx + k + j]);                                        \
+                if (kind == W_UINT4) {                                                                   \
+                    u32vec d[QNV];                                                                       \
+                    for (int c = 0; c < QNV; c++)                                                        \
+                        d[c] = load_u32(w + ((int64_t)(k / INT4_K) * QNR + c * LANES) * 4);              \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < INT4_K; j++)                             \
                         for (int c = 0; c < QNV; c++) {                                                  \
-                            if (GROUPED) acc[r][c] += xr * q[j][c];                                      \
-                            else a[r][c] += xr * q[j][c];                                                \
+                            vec v = nibble_16(d[c], j);                                                  \
+                            if (!GROUPED) v = (v - zc[c]) * sc[c];                                       \
+                            for (int r = 0; r < R; r++) {                                                \
+                                if (GROUPED) acc[r][c] += splat(x[r * ldx + k + j]) * v;                 \
+                                else a[r][c] += splat(x[r * ldx + k + j]) * v;                           \
+                            }                                                                            \
                         }                                                                                \
+                    continue;                                                                            \
+                }                                                                                        \
+                vec q[QNV];                                                                              \
+                for (int c = 0; c < QNV; c++) {                                                          \
+                    q[c] = stored_values(w, kind, k, c);                                                 \
+                    if (!GROUPED && kind != W_BF16) q[c] *= sc[c];                                       \
+                }                                                                                        \
+                for (int r = 0; r < R; r++) {                                                            \
+                    const vec xr = splat(x[r * ldx + k]);                                                \
+                    for (int c = 0; c < QNV; c++) {                                                      \
+                        if (GROUPED) acc[r][c] += xr * q[c];                                             \
+                        else a[r][c] += xr * q[c];                                                       \
                     }                                                                                    \
+                }                                                                                        \
             }                                                                                            \
             for (int r = 0; GROUPED && r < R; r++)                                                       \
                 for (int c = 0; c < QNV; c++) {                                                          \

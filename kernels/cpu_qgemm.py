@@ -36,6 +36,11 @@ def int4_bytes(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2].to(torch.uint8) | (q[:, 1::2].to(torch.uint8) << 4)).contiguous()
 
 
+def fits(kind: str, k: int, group: int) -> bool:
+    """Whether the kernel takes this weight: int4 reads eight k a word, within one group."""
+    return kind != "int4" or (k % 8 == 0 and group % 8 == 0)
+
+
 def pack(
     kind: str,
     q: torch.Tensor,
@@ -44,14 +49,16 @@ def pack(
     group: int,
     width: int,
 ) -> QPanels:
-    """`q` `[N, K]`: bf16 or float8_e4m3fn values, int8, or int4 values 0..15 in uint8 (K even)."""
+    """`q` `[N, K]`: bf16 or float8_e4m3fn values, int8, or int4 values 0..15 in uint8 (K and
+    the group a multiple of 8)."""
     n, k = q.shape
     if zeros is not None and kind != "int4":
         raise ValueError(f"zero points are for int4 weights only, got them with {kind}")
     if kind == "int4":
-        if k % 2 or group % 2:
-            raise ValueError(f"int4 panels need an even K and group, got K={k}, group={group}")
-        weights = pack_panels(int4_bytes(q), width)  # [panels, K / 2, width]
+        if not fits(kind, k, group):
+            raise ValueError(f"int4 panels need K and the group a multiple of 8, got K={k}, group={group}")
+        # eight k of a column in one 32-bit word (the bytes' little-endian order): [panels, K / 8, width]
+        weights = pack_panels(int4_bytes(q).view(torch.int32), width).view(torch.uint8)
     elif kind == "bf16":  # each weight's two bytes together: [panels, K, width] of 16 bits
         weights = pack_panels(q.contiguous().view(torch.int16), width).view(torch.uint8)
     else:

@@ -198,6 +198,8 @@ class QuantLinear(nn.Module):
             and fp8_mm.applies(weight.kind, weight.act, weight.group, *weight.q.shape)
             and fp8_mm.device_supports(weight.q.device)
         )
+        if lib is not None and not cpu_qgemm.fits(weight.kind, weight.q.shape[1], weight.group):
+            lib = None  # no checkpoint we know has such a shape: the dequantizing path, correct and slow
         if lib is None:
             self.weight_q = weight
             if triton and weight.kind == "int4":  # two to a byte, as the Triton kernel reads them

@@ -58,6 +58,32 @@ def test_int4_with_zero_points_and_a_strided_input(cpu_lib):
         )
 
 
+@torch.inference_mode()
+def test_int4_words_hold_eight_k_of_a_column(cpu_lib):
+    """The int4 panels keep k = 8i + j in nibble j of word i: one weight set at a time lands on
+    its own input and column. Off whole words (K or the group not a multiple of 8) the layer
+    dequantizes instead, with the same result."""
+    from mm_engine.kernels import cpu_qgemm
+
+    n, k = 50, 64
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    for col, kk, value in ((0, 0, 15), (49, 63, 0), (17, 13, 3), (33, 40, 12)):
+        q = torch.full((n, k), 8, dtype=torch.uint8)
+        q[col, kk] = value
+        w = QuantizedWeight("int4", q, torch.ones(n, 1), None, k)
+        want = torch.zeros(1, n)
+        want[0, col] = (value - 8) * x[0, kk]
+        # (the tiles sum 16 + q and take 16 + zero times the sum of x back out: float32 noise)
+        torch.testing.assert_close(QuantLinear(w, None, cpu_lib)(x), want, rtol=1e-5, atol=1e-4)
+    assert cpu_qgemm.fits("int4", 64, 32) and not cpu_qgemm.fits("int4", 60, 20)
+    assert not cpu_qgemm.fits("int4", 48, 12) and cpu_qgemm.fits("int8", 10, 10)
+    w = quantize(_weight(9, 36, seed=2), "int4", 12)
+    layer = QuantLinear(w, None, cpu_lib)
+    assert layer.panels is None
+    x = torch.randn(3, 36, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(layer(x), x @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_the_quantizers_round_to_their_grids():
     w = _weight(6, 256, seed=0)
     for kind, levels in (("int8", 127), ("int4", 7)):

@@ -73,11 +73,19 @@ def test_a_static_input_scale_is_used_as_given(cpu_variant, cpu_lib, kind):
 
 
 def test_weights_whose_groups_are_not_whole_lanes_keep_the_float_path(cpu_lib):
-    """Everywhere: a group that is not a multiple of the lanes' k (8 for int4) or a variant without
-    the kernel keeps the weight-only kernel behind the fake quantization."""
-    w = _case("int4", 16, 12, 12, False, seed=1)  # K = 12: one group of 12, not 8-divisible
+    """Everywhere: a group that is not a multiple of the lanes' k (4 for int8, 8 for int4) or a
+    variant without the kernel keeps the weight-only kernel behind the fake quantization; int4
+    with K off whole words (8 k) takes neither kernel and dequantizes."""
+    w = _case("int8", 16, 10, 10, False, seed=1)  # K = 10: one group of 10, not 4-divisible
     layer = QuantLinear(w, None, cpu_lib)
     assert layer.a8 is None and layer.panels is not None
+    x = torch.randn(2, 10)
+    torch.testing.assert_close(
+        layer(x), F.linear(fake_quantize(x, "int8"), w.dequantize()), rtol=1e-5, atol=1e-5
+    )
+    w = _case("int4", 16, 12, 12, False, seed=1)  # K = 12: one group of 12, not 8-divisible
+    layer = QuantLinear(w, None, cpu_lib)
+    assert layer.a8 is None and layer.panels is None and layer.weight_q is w
     x = torch.randn(2, 12)
     torch.testing.assert_close(
         layer(x), F.linear(fake_quantize(x, "int8"), w.dequantize()), rtol=1e-5, atol=1e-5
