@@ -4,9 +4,9 @@
  * the weights become floats in registers, never in memory, and every sum is float32.
  *
  * Layout: the panels of cpu_gemm.c (NR output columns each, [panels][K][NR] elements, N padded with
- * zero columns), one element per weight, except int4: eight k share a 32-bit word,
- * [panels][K / 8][NR] words, k = 8i + j in bits 4j..4j+3 of word i (K and the group a multiple of 8). Scales and zero points: [panels][K / group][NR]
- * floats. A weight is (q - zero) * scale: for int8 and fp8 the zero is 0, for int4 it is 8
+ * zero columns), one element per weight, except int4: eight k share a 32-bit word, [panels][K / 8]
+ * [NR] words, k = 8i + j in bits 4j..4j+3 of word i (K and the group a multiple of 8). Scales and
+ * zero points: [panels][K / group][NR] floats. A weight is (q - zero) * scale: for int8 and fp8 the zero is 0, for int4 it is 8
  * (symmetric) unless `zeros` gives one per column and group (int4 only).
  *
  * Two paths, chosen by the number of rows: up to DIRECT_ROWS, each strip of rows converts the
@@ -37,19 +37,15 @@ int gemm_panels(const float *x, int64_t ldx, const float *panels, const float *b
 #if MM_VEC_BYTES == 64
 #include <immintrin.h>
 static inline ivec widen_i8(const uint8_t *p) { return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline ivec widen_u8(const uint8_t *p) { return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline ivec widen_u16(const uint8_t *p) { return (ivec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
 #elif MM_VEC_BYTES == 32
 #include <immintrin.h>
 static inline ivec widen_i8(const uint8_t *p) { return (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline ivec widen_u8(const uint8_t *p) { return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline ivec widen_u16(const uint8_t *p) { return (ivec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
 #else
 typedef int8_t i8vec __attribute__((vector_size(LANES)));
-typedef uint8_t u8vec __attribute__((vector_size(LANES)));
 typedef uint16_t u16vec __attribute__((vector_size(2 * LANES)));
 static inline ivec widen_i8(const uint8_t *p) { i8vec v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, ivec); }
-static inline ivec widen_u8(const uint8_t *p) { u8vec v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, ivec); }
 static inline ivec widen_u16(const uint8_t *p) { u16vec v; memcpy(&v, p, sizeof v); return __builtin_convertvector(v, ivec); }
 #endif
 
@@ -69,8 +65,12 @@ static inline vec from_int8(const uint8_t *p) { return __builtin_convertvector(w
  * under the exponent of 16 is the float 16 + q: a shift and a mask-and-or per vector, no conversion
  * and no shuffle (the shuffle units were the bound of the byte layout's widen and table lookup). The
  * tiles take the values as 16 + q and subtract 16 + zero; `stored_values` gives them signed (q - 8). */
+#define INT4_K 8 /* k per 32-bit lane */
 typedef uint32_t u32vec_u __attribute__((vector_size(MM_VEC_BYTES), aligned(4), may_alias));
-static inline u32vec load_u32(const uint8_t *p) { return *(const u32vec_u *)p; }
+/* The words holding rows k..k + 7 (k a multiple of 8) of vector c of an int4 panel. */
+static inline u32vec int4_words(const uint8_t *w, int64_t k, int c) {
+    return *(const u32vec_u *)(w + ((k / INT4_K) * QNR + c * LANES) * 4);
+}
 static inline vec nibble_16(u32vec d, int j) {
     const u32vec m = j <= 4 ? d << (19 - 4 * j) : d >> (4 * j - 19);
 #if MM_VEC_BYTES == 64 /* (m & mask) | exponent in one instruction that overwrites m, not a copy */
@@ -79,12 +79,11 @@ static inline vec nibble_16(u32vec d, int j) {
     return (vec)((m & 0x00780000u) | 0x41800000u);
 #endif
 }
-#define INT4_K 8 /* k per 32-bit lane */
 
 /* The stored values of weight row k, vector c of a panel, as floats (int4 signed: q - 8). */
 static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
     if (kind == W_UINT4) {
-        const u32vec d = load_u32(w + ((k / INT4_K) * QNR + c * LANES) * 4);
+        const u32vec d = int4_words(w, k, c);
         return __builtin_convertvector((ivec)((d >> (4 * (k % INT4_K))) & 15u), vec) - 8.f;
     }
     const uint8_t *p = w + (k * QNR + c * LANES) * (kind == W_BF16 ? 2 : 1);
@@ -122,8 +121,7 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
             for (int k = g0; k < g1; k += STEP) {                                                        \
                 if (kind == W_UINT4) {                                                                   \
                     u32vec d[QNV];                                                                       \
-                    for (int c = 0; c < QNV; c++)                                                        \
-                        d[c] = load_u32(w + ((int64_t)(k / INT4_K) * QNR + c * LANES) * 4);              \
+                    for (int c = 0; c < QNV; c++) d[c] = int4_words(w, k, c);                            \
                     _Pragma("GCC unroll 8") for (int j = 0; j < INT4_K; j++)                             \
                         for (int c = 0; c < QNV; c++) {                                                  \
                             vec v = nibble_16(d[c], j);                                                  \
