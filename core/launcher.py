@@ -40,6 +40,7 @@ class Launched:
     ready: torch.cuda.Event | None = field(default=None)  # recorded after that copy
     host_logprobs: Sampled | None = None  # pinned copies of the logprob tensors (CUDA inline)
     registered: list = field(default_factory=list)  # (request, blocks registered before) by settling
+    background_only: bool = False  # its batch ran background work alone (read before the next)
 
     def device_tokens(self) -> torch.Tensor | None:
         """The sampled ids on the device (in thread mode: waits for the step; in launch order

@@ -2,6 +2,9 @@
 
     step N+1:  schedule -> prepare, launch (the forward starts) -> read step N's tokens -> settle N+1
 
+(A step N of background work alone is read first, and step N+1 scheduled in the call after: a
+request that arrives while it runs must not wait behind a step N+1 scheduled without it.)
+
 The scheduler sees each request of step N as if its token were there (a `PLACEHOLDER` counts), so
 the batches are those of the plain loop, except that a request ending on an EOS token is found
 out one step late: it takes a seat in one more batch, whose token is dropped. Requests that end by
@@ -48,6 +51,11 @@ class OverlappedSteps:
 
     def _overlapped(self, prev: Launched | None, batch: ScheduledBatch, outputs: list[CoreOutput]):
         """schedule -> launch this step -> collect the previous one's tokens -> settle this one."""
+        if prev is not None and prev.background_only:
+            # Read before the next step is scheduled: a request that arrived while background work
+            # alone ran then goes into the very next step, not behind one more (background work
+            # gives up the overlap for that).
+            return self._collect_before(prev, batch, outputs)
         if prev is not None and self.launcher.concurrent and self.swap is not None:
             prev.wait()  # swapping copies KV blocks on this thread: the forward must not be writing them
         scheduled = self._schedule()  # into the caller's batch: what fails if anything does
@@ -126,9 +134,11 @@ class OverlappedSteps:
         inputs = self.runner.prepare(batch, pending)
         sampling = [batch.items[k][0] for k in inputs.sampling]
         params, gens = [r.params for r in sampling], [r.generator for r in sampling]
-        return self.launcher.launch(
+        launched = self.launcher.launch(
             batch.items, inputs, params, gens, prev, row_contexts(sampling, self.grammars.vocab_size)
         )
+        launched.background_only = batch.background_only
+        return launched
 
     def _collect(self, step: Launched) -> list[CoreOutput]:
         """The tokens a launched step sampled, in place of its requests' placeholders."""

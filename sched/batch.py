@@ -25,6 +25,7 @@ class ScheduledBatch:
     state_snapshots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     num_decodes: int = 0  # items that compute one token past their prompt
     encoder_tokens: int = 0  # image tokens the scheduler charged to the encoder budget
+    background_only: bool = False  # a step of background work alone (no foreground request ran)
 
     @property
     def num_tokens(self) -> int:

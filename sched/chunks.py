@@ -35,6 +35,10 @@ def next_chunk(
             left = min(left, int(max(0, p.budget - (span.offset - start)) / p.encode_weight))
         if cost + span.num_embeds > left and not (p.one_image_free and cost == 0):
             return max(0, span.offset - start), cost  # stop before the image that does not fit
+        if p.encode_alone and not whole_images:  # background: encoding is a step's prompt work
+            if p.prefilled:
+                return max(0, span.offset - start), cost  # this step prefills: the image waits
+            return min(n, span.offset - start + 1), span.num_embeds  # up to the image's first token
         cost += span.num_embeds
     return n, cost
 

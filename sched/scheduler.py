@@ -23,7 +23,9 @@ a block of prefill, or one image, so that waiting requests always move).
   again, and lets the ones behind it go ahead.
 Background work (batch requests, ranked after everything else) gets no set-aside token, and after
 foreground work in a step at most `background_step_tokens` (default 0: only steps without any);
-a step of background work alone adds at most `background_prefill_tokens` of prefill (and one image).
+a step of background work alone adds at most `background_prefill_tokens` of prefill, or encodes one
+image with the prompt up to its first token (the image's run is prefilled in a later step), so that a
+request arriving meanwhile waits for a short step, not for an encode and a prefill in one.
 A chunk also stops before an image that the per-step encoder budget cannot encode, and, with
 `whole_images` (Gemma 3: an image's tokens attend to each other in both directions, so all its keys
 must be written before any of its queries runs), before an image it would otherwise split.
@@ -190,6 +192,9 @@ class Scheduler:
         p.scheduled.add(req.request_id)
         if req.num_computed_tokens >= req.num_prompt_tokens:  # a decode: past every image
             return
+        p.prefilled += n
+        if p.encode_alone and cost:
+            p.budget = 0  # the image is this step's prompt work; decodes keep their set-aside tokens
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         if self.states is not None:
             snaps = self.blocks.plan_snapshots(req, start, end)

@@ -27,6 +27,10 @@ class StepPass:
     one_image_free: bool = False  # a capped step still encodes one image, whatever its size
     encode_weight: float = 0.0  # budget tokens one encoded image token takes (a time-bounded step)
     background: bool = False  # the walk has reached background work (the rest of it is too)
+    # A step of background work alone: an image it encodes is the only prompt work it does (see
+    # enter_background); `prefilled` counts the prompt tokens taken so far this step.
+    encode_alone: bool = False
+    prefilled: int = 0
 
     def release(self, request_id: str) -> bool:
         """Give a decode's set-aside token back to the budget, for it to take now."""
@@ -49,14 +53,18 @@ class StepPass:
         """The walk reached background work (batch requests, ranked after all else). After
         foreground work in this step it gets at most `tokens`, so that it never lengthens a step
         interactive streams wait on. In a step of background work only, each of its decoding `requests` gets
-        its token and prefill gets at most `prefill_tokens` (and one image): a request that arrives
-        meanwhile waits for one short step, not for a batch's images to be encoded."""
+        its token and prefill gets at most `prefill_tokens`, or one image is encoded with at most the
+        prompt up to its first token (the rest of the image's run goes in a later step, from the
+        features the runner holds): a request that arrives meanwhile waits for one short step, not
+        for a batch's image to be encoded and prefilled in one."""
         self.background = True
         if self.scheduled:
             self.budget = min(self.budget, tokens)
             self.encoder_left = min(self.encoder_left, tokens)
             self.one_image_free = False
             return
+        self.batch.background_only = True
+        self.encode_alone = True
         self.set_aside(requests)
         self.budget = min(self.budget, prefill_tokens)
         self.encoder_left = min(self.encoder_left, prefill_tokens)

@@ -213,3 +213,38 @@ def test_n_samples_copy_the_partial_prompt_block_behind_the_forward(clip_llama, 
     assert [(len(o.prompt_token_ids) - 1) // 8 > 0 for o in got] == [False, True]
     assert llm.kv_report()["text"]["partial_block_copies"] == 3
     _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_of_background_work_alone_is_read_before_the_next_is_scheduled(clip_llama, mode):
+    """While only Batch API work runs, a call that finds a background step in flight reads it and
+    schedules nothing, so a request that arrives while it computes goes into the very next step
+    instead of waiting behind one more background step. Tokens are those of the plain loop."""
+    long = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [_prompt(0), _prompt(2)]
+    fg_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plain = _llm(clip_llama, None, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, long)]
+    fg_want = plain.generate(_prompt(5), fg_params)[0].outputs[0].token_ids
+    llm = _llm(clip_llama, mode, max_num_seqs=4)
+    engine, core = llm.engine, llm.engine.core
+    batches = _record_batches(llm)
+    ids = [engine.add_request(p, long, priority=10) for p in prompts]
+    outs = {}
+    for _ in range(6):
+        inflight = core._inflight
+        launched_before = len(batches)
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        if inflight is not None and inflight.background_only:
+            assert len(batches) == launched_before and core._inflight is None  # read, none launched
+    assert core._inflight is None or core._inflight.background_only
+    if core._inflight is not None:
+        outs.update({o.request_id: o for o in engine.step() if o.finished})  # read: the next schedules
+    fg = engine.add_request(_prompt(5), fg_params)
+    outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert fg in [rid for rid, _ in batches[-1][0]]  # in the very next batch
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [outs[i].outputs[0].token_ids for i in ids] == want
+    assert outs[fg].outputs[0].token_ids == fg_want
+    _assert_all_free(llm)
