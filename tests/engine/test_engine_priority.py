@@ -203,3 +203,36 @@ def test_background_work_waits_for_steps_without_foreground_work(clip_llama):
         assert (
             outs[rid].outputs[0].token_ids == alone.generate(image_prompt(seed), long)[0].outputs[0].token_ids
         )
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3", "llava_next", "gemma3"])
+def test_background_image_requests_equal_transformers_in_every_image_layout(vl_family, family):
+    """A step of background work alone encodes an image with the prompt up to its first token
+    and prefills its run later (M-RoPE grids, tiled images with row/column tokens, LLaVA-NeXT's
+    newline tokens; Gemma 3's whole images go in one step): tokens are transformers'."""
+    from helpers.families import family_prompt, greedy, mm
+
+    path, ref = vl_family(family)
+    cases = [(family_prompt(family, "describe", 1), [make_image(3, (40, 60))], 6),
+             (family_prompt(family, "what is it", 1), [make_image(4, (48, 32))], 5)]  # fmt: skip
+    llm = LLM(path, kv_cache_memory_bytes=8 * 1024**2, block_size=8, background_priority=10)
+    sched, encoding_steps = llm.engine.core.scheduler, []
+    schedule = sched.schedule
+
+    def watched(now):
+        batch = schedule(now)
+        if batch.encoder_tokens:
+            encoding_steps.append([(r.num_computed_tokens, n, r.images[0].offset) for r, n in batch.items])
+        return batch
+
+    sched.schedule = watched
+    prompts, params = [mm(p, imgs) for p, imgs, _ in cases], [greedy(n) for *_, n in cases]
+    outs = llm.generate(prompts, params, priority=[10, 10])
+    assert len(encoding_steps) == 2  # one image a step
+    for step in encoding_steps:  # the image's first token ends the chunk, but for whole images
+        (start, n, offset), *_ = [(a, n, o) for a, n, o in step if a <= o < a + n]  # the one that encodes
+        assert (start + n == offset + 1) != (family == "gemma3")
+    for out, (text, imgs, n) in zip(outs, cases, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(text, imgs, n)
+    report = llm.kv_report()
+    assert report["text"]["used_blocks"] == report["image"]["used_blocks"] == 0
