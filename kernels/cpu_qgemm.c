@@ -9,7 +9,7 @@
  * zero points: [panels][K / group][NR] floats. A weight is (q - zero) * scale: for int8 and fp8 the zero is 0, for int4 it is 8
  * (symmetric) unless `zeros` gives one per column and group (int4 only).
  *
- * Two paths, chosen by the number of rows: up to DIRECT_ROWS, each strip of rows converts the
+ * Two paths, chosen by the number of rows: up to direct_rows(), each strip of rows converts the
  * weights in its register tile as it goes (the weights are read once, at their stored size); past
  * it, each thread converts one panel at a time into a float32 scratch panel and runs the float32
  * GEMM of cpu_gemm.c on it, so a prefill chunk pays the conversion once per panel, not once per
@@ -23,9 +23,13 @@
 #define QNV PANEL_VECTORS /* cpu_gemm.c's panels: the scratch path hands them to gemm_panels */
 #define QMR TILE_ROWS
 #define QNR (QNV * LANES)
-#define DIRECT_ROWS 8
 
 enum { W_BF16 = 1, W_FP8 = 2, W_INT8 = 3, W_UINT4 = 4 };
+
+/* Rows up to which the strips convert in their tiles: two strips of 8 still beat a scratch panel,
+ * whose conversion and float tile cost a fixed ~1 us a panel (1.5-1.8x the float32 GEMM at 9-16 rows
+ * on a Zen 4). int4 on narrower vectors (AVX2) converts slower in the tile: 8 there. */
+static inline int direct_rows(int kind) { return kind == W_UINT4 && !WIDE_REGISTERS ? 8 : 16; }
 
 typedef uint32_t u32vec __attribute__((vector_size(MM_VEC_BYTES)));
 
@@ -214,7 +218,7 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
     const int n_panels = (N + QNR - 1) / QNR, groups = (K + group - 1) / group;
     const int64_t panel_bytes = (int64_t)K * QNR * (kind == W_BF16 ? 2 : 1) / (kind == W_UINT4 ? 2 : 1);
     float *xsum = NULL;
-    if (kind == W_UINT4 && M <= DIRECT_ROWS) {
+    if (kind == W_UINT4 && M <= direct_rows(kind)) {
         xsum = malloc(sizeof(float) * (size_t)M * groups);
         if (xsum == NULL) return -1;
         group_sums(x, ldx, M, K, group, xsum);
@@ -225,7 +229,7 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int64_t)n_panels * t / nt, p1 = (int64_t)n_panels * (t + 1) / nt;
         float *scratch = NULL;
-        if (M > DIRECT_ROWS && p1 > p0) {
+        if (M > direct_rows(kind) && p1 > p0) {
             scratch = aligned_alloc(64, sizeof(float) * (size_t)K * QNR);
             failed = scratch == NULL;
         }

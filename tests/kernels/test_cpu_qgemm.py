@@ -1,5 +1,5 @@
 """The low-bit GEMM (kernels/cpu_qgemm.c) on every ISA variant this CPU runs, against the
-dequantized weight through F.linear: each weight kind, the direct path (up to 8 rows) and the
+dequantized weight through F.linear: each weight kind, the direct path (up to 16 rows, int4 on AVX2 8) and the
 scratch-panel path, widths that end mid-panel, group sizes and per-row groups, bias, zero points;
 and the quantizers' rounding against their definitions."""
 
@@ -33,7 +33,7 @@ def test_the_kernel_equals_the_dequantized_weight(cpu_lib, kind, k, n, bias):
     b = torch.randn(n) if bias else None
     fast, ref = QuantLinear(w, b, cpu_lib), QuantLinear(w, b)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))
-    for rows in (1, 3, 8, 9, 20, 40):  # 1-8: converted in the register tiles; past 8: scratch panels
+    for rows in (1, 3, 8, 9, 16, 17, 40):  # up to 16 (int4 on AVX2: 8) in the register tiles; past: scratch
         torch.testing.assert_close(fast(x[:rows]), ref(x[:rows]), rtol=1e-4, atol=1e-4 * k**0.5)
     assert fast(x[:0]).shape == (0, n)
 
@@ -52,7 +52,7 @@ def test_int4_with_zero_points_and_a_strided_input(cpu_lib):
     torch.testing.assert_close(w.dequantize(), want)
     wide = torch.randn(12, k + 5, generator=g)
     x = wide[:, :k]  # rows with a stride wider than K
-    for rows in (2, 6, 12):  # grouped sums, scaled per weight, scratch panels
+    for rows in (2, 6, 12, 20):  # grouped sums, scaled per weight, scratch panels
         torch.testing.assert_close(
             QuantLinear(w, None, cpu_lib)(x[:rows]), x[:rows] @ want.t(), rtol=1e-4, atol=1e-3
         )
