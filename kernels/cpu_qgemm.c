@@ -217,8 +217,9 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
                  int threads) {
     const int n_panels = (N + QNR - 1) / QNR, groups = (K + group - 1) / group;
     const int64_t panel_bytes = (int64_t)K * QNR * (kind == W_BF16 ? 2 : 1) / (kind == W_UINT4 ? 2 : 1);
+    const int direct = M <= direct_rows(kind);
     float *xsum = NULL;
-    if (kind == W_UINT4 && M <= direct_rows(kind)) {
+    if (kind == W_UINT4 && direct) {
         xsum = malloc(sizeof(float) * (size_t)M * groups);
         if (xsum == NULL) return -1;
         group_sums(x, ldx, M, K, group, xsum);
@@ -229,7 +230,7 @@ int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, c
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int64_t)n_panels * t / nt, p1 = (int64_t)n_panels * (t + 1) / nt;
         float *scratch = NULL;
-        if (M > direct_rows(kind) && p1 > p0) {
+        if (!direct && p1 > p0) {
             scratch = aligned_alloc(64, sizeof(float) * (size_t)K * QNR);
             failed = scratch == NULL;
         }
