@@ -24,7 +24,7 @@ from mm_engine.pools.state_snapshots import StateSnapshots
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import ImageSpan, Request, Status
 from mm_engine.sampling_params import SamplingParams
-from mm_engine.sched.policy import PriorityPolicy
+from mm_engine.sched.policy import BACKGROUND, PriorityPolicy
 from mm_engine.sched.scheduler import Scheduler
 from mm_engine.vision.encoder_cache import EncoderCache
 
@@ -64,7 +64,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.blocks = BlockManager(*pools, BS, False, 0.05)
         self.encoder_cache = EncoderCache(capacity_bytes=2 * IMG_TOKENS * 4)
         swap = HostSwap(self.kv, 6 * spec.bytes_per_block, states=self.states) if mode == "swap" else None
-        self.policy = PriorityPolicy(image_priority_boost=0.5, max_wait_s=MAX_WAIT, preemption_margin=1.0)
+        # Priority 2 is background work (Batch API requests: only in steps without foreground work).
+        self.policy = PriorityPolicy(
+            image_priority_boost=0.5, max_wait_s=MAX_WAIT, preemption_margin=1.0, background_priority=2
+        )
         self.sched = Scheduler(
             self.blocks,
             self.policy,
@@ -121,8 +124,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
     def step(self, dt):
         self.now += dt
-        decoding = [r.request_id for r in self.sched.running if r.num_tokens - r.num_computed_tokens == 1]
+        decoding = [
+            r.request_id for r in self.sched.running
+            if r.num_tokens - r.num_computed_tokens == 1 and self.policy.rank(r, self.now)[0] != BACKGROUND
+        ]  # fmt: skip
         batch = self.sched.schedule(self.now)
+        if not batch.background_only:  # background work only goes in steps without foreground work
+            assert not any(self.policy.rank(r, self.now)[0] == BACKGROUND for r, _ in batch.items)
         decodes = [r for r, n in batch.items if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
         assert batch.num_decodes == len(decodes)
         charged = [req.images[j] for req, j in batch.new_images]  # (the fake runner fills the cache later)
