@@ -38,7 +38,9 @@ def next_chunk(
         if p.encode_alone and not whole_images:  # background: encoding is a step's prompt work
             if p.prefilled:
                 return max(0, span.offset - start), cost  # this step prefills: the image waits
-            return min(n, span.offset - start + 1), span.num_embeds  # up to the image's first token
+            # Up to the image's first token; one token when the chunk starts inside the image
+            # (a cached prefix can end there after the encoder cache dropped its features).
+            return min(n, max(1, span.offset - start + 1)), span.num_embeds
         cost += span.num_embeds
     return n, cost
 

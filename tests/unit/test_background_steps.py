@@ -108,3 +108,28 @@ def test_background_prefill_is_capped_and_text_requests_are_unchanged():
     sched.add(_request(0, BACKGROUND, words=30, image=False))
     batch, took = _run(sched, 0.0)
     assert batch.background_only and took == {"0": 8}
+
+
+def test_a_cached_prefix_that_ends_inside_an_image_encodes_it_with_one_token():
+    # The prefix cache keeps blocks that end inside an image after the encoder cache dropped its
+    # features: the step encodes the image and computes the token after the prefix (it once asked
+    # for a negative chunk, admitted the request with none, and ran the state pool out of slots).
+    sched = _scheduler()
+    first = _request(0, BACKGROUND, words=1)  # 34 prompt tokens, the image at 3..32
+    sched.add(first)
+    for t in range(3):
+        _run(sched, float(t))
+        sched.blocks.commit(first)
+    sched.finish(first)
+    params = SamplingParams(max_tokens=5)
+    again = Request(
+        "1", list(first.prompt_token_ids), first.images, params, 5.0, 1, frozenset(), priority=BACKGROUND
+    )
+    sched.add(again)
+    batch, took = _run(sched, 5.0)
+    assert again.num_cached_tokens == 2 * BS  # two blocks cached: up to the image's last token
+    assert batch.background_only and took == {"1": 1} and batch.encoder_tokens == EMBEDS
+    batch, took = _run(sched, 6.0)
+    assert took == {"1": 1} and batch.encoder_tokens == 0  # the prompt's last token, from held features
+    batch, took = _run(sched, 7.0)
+    assert took == {"1": 1} and batch.num_decodes == 1

@@ -24,7 +24,7 @@ from mm_engine.pools.state_snapshots import StateSnapshots
 from mm_engine.pools.swap import HostSwap
 from mm_engine.request import ImageSpan, Request, Status
 from mm_engine.sampling_params import SamplingParams
-from mm_engine.sched.policy import BACKGROUND, PriorityPolicy
+from mm_engine.sched.policy import PriorityPolicy, is_background
 from mm_engine.sched.scheduler import Scheduler
 from mm_engine.vision.encoder_cache import EncoderCache
 
@@ -124,13 +124,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
     def step(self, dt):
         self.now += dt
+        bg = self.policy.background_priority
         decoding = [
             r.request_id for r in self.sched.running
-            if r.num_tokens - r.num_computed_tokens == 1 and self.policy.rank(r, self.now)[0] != BACKGROUND
+            if r.num_tokens - r.num_computed_tokens == 1 and not is_background(r, bg)
         ]  # fmt: skip
         batch = self.sched.schedule(self.now)
         if not batch.background_only:  # background work only goes in steps without foreground work
-            assert not any(self.policy.rank(r, self.now)[0] == BACKGROUND for r, _ in batch.items)
+            assert not any(is_background(r, bg) for r, _ in batch.items)
+        assert all(n > 0 for _, n in batch.items), "a request scheduled with no tokens to compute"
         decodes = [r for r, n in batch.items if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
         assert batch.num_decodes == len(decodes)
         charged = [req.images[j] for req, j in batch.new_images]  # (the fake runner fills the cache later)
