@@ -96,8 +96,30 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
 
 /* Up to this many rows a tile sums each group's products unscaled and scales the sum once (one
  * accumulator set more: 4 rows x 3 vectors fit AVX-512's 32 registers twice, 2 x 2 AVX2's 16); an
- * int4 group's zero point then enters once too, as zero x (the group's sum of x), from `xsum`. */
+ * int4 group's zero point then enters once too, as zero x (the group's sum of x), from `xsum`.
+ * A short tile spreads its sums over SPLIT accumulator sets, consecutive k (int4: nibbles) taking
+ * turns: with one row on AVX2 the two column vectors made two chains of dependent multiply-adds,
+ * each waiting out the add's latency, and the tile ran at half the rate the multiply-adds allow. */
 #define GROUPED_ROWS (WIDE_REGISTERS ? 4 : 2)
+#define SUM_CHAINS 8 /* independent multiply-add chains a tile keeps going */
+
+/* Weight row kk of the tile's panel times x's column kk, for bf16, fp8 and int8: into a group's
+ * unscaled sums ACC (GROUPED), else scaled into the tile's accumulators `a`. */
+#define QROW_STEP(R, kind, kk, ACC)                                                                      \
+    do {                                                                                                 \
+        vec q[QNV];                                                                                      \
+        for (int c = 0; c < QNV; c++) {                                                                  \
+            q[c] = stored_values(w, kind, kk, c);                                                        \
+            if (!GROUPED && kind != W_BF16) q[c] *= sc[c];                                               \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) {                                                                    \
+            const vec xr = splat(x[r * ldx + (kk)]);                                                     \
+            for (int c = 0; c < QNV; c++) {                                                              \
+                if (GROUPED) (ACC)[r][c] += xr * q[c];                                                   \
+                else a[r][c] += xr * q[c];                                                               \
+            }                                                                                            \
+        }                                                                                                \
+    } while (0)
 
 /* R rows x NR columns, the direct path: `w` one panel's packed weights for all of K, `s` and `z`
  * its scales and zero points (z: int4 only, NULL for 8), `group` K per scale, `xsum` (int4 only)
@@ -107,23 +129,28 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
                                                const float *s, const float *z, int K, int group,         \
                                                const float *xsum, int groups, const float *init,         \
                                                float *y, int64_t ldy, int ncols) {                       \
-        enum { GROUPED = kind != W_BF16 && R <= GROUPED_ROWS, STEP = kind == W_UINT4 ? INT4_K : 1 };     \
+        enum {                                                                                           \
+            GROUPED = R <= GROUPED_ROWS,                                                                 \
+            STEP = kind == W_UINT4 ? INT4_K : 1,                                                         \
+            SPLIT = GROUPED && R * QNV < SUM_CHAINS ? (SUM_CHAINS + R * QNV - 1) / (R * QNV) : 1,        \
+        };                                                                                               \
         vec a[R][QNV];                                                                                   \
         for (int r = 0; r < R; r++)                                                                      \
             for (int c = 0; c < QNV; c++) a[r][c] = init ? load(init + c * LANES) : (vec){};             \
         for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {                                              \
             const int g1 = g0 + group < K ? g0 + group : K;                                              \
-            vec sc[QNV], zc[QNV], acc[R][QNV];                                                           \
+            vec sc[QNV], zc[QNV], acc[SPLIT][R][QNV];                                                    \
             for (int c = 0; c < QNV; c++) { /* int4: 16 + zero, as the values are 16 + q */              \
                 sc[c] = s ? load(s + c * LANES) : splat(1.f);                                            \
                 zc[c] = (z ? load(z + c * LANES) : splat(8.f)) + 16.f;                                   \
             }                                                                                            \
             if (s) s += QNR;                                                                             \
             if (z) z += QNR;                                                                             \
-            for (int r = 0; GROUPED && r < R; r++)                                                       \
-                for (int c = 0; c < QNV; c++) acc[r][c] = (vec){};                                       \
-            for (int k = g0; k < g1; k += STEP) {                                                        \
-                if (kind == W_UINT4) {                                                                   \
+            for (int u = 0; GROUPED && u < SPLIT; u++)                                                   \
+                for (int r = 0; r < R; r++)                                                              \
+                    for (int c = 0; c < QNV; c++) acc[u][r][c] = (vec){};                                \
+            if (kind == W_UINT4) {                                                                       \
+                for (int k = g0; k < g1; k += STEP) {                                                    \
                     u32vec d[QNV];                                                                       \
                     for (int c = 0; c < QNV; c++) d[c] = int4_words(w, k, c);                            \
                     _Pragma("GCC unroll 8") for (int j = 0; j < INT4_K; j++)                             \
@@ -131,28 +158,22 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
                             vec v = nibble_16(d[c], j);                                                  \
                             if (!GROUPED) v = (v - zc[c]) * sc[c];                                       \
                             for (int r = 0; r < R; r++) {                                                \
-                                if (GROUPED) acc[r][c] += splat(x[r * ldx + k + j]) * v;                 \
+                                if (GROUPED) acc[j % SPLIT][r][c] += splat(x[r * ldx + k + j]) * v;      \
                                 else a[r][c] += splat(x[r * ldx + k + j]) * v;                           \
                             }                                                                            \
                         }                                                                                \
-                    continue;                                                                            \
                 }                                                                                        \
-                vec q[QNV];                                                                              \
-                for (int c = 0; c < QNV; c++) {                                                          \
-                    q[c] = stored_values(w, kind, k, c);                                                 \
-                    if (!GROUPED && kind != W_BF16) q[c] *= sc[c];                                       \
-                }                                                                                        \
-                for (int r = 0; r < R; r++) {                                                            \
-                    const vec xr = splat(x[r * ldx + k]);                                                \
-                    for (int c = 0; c < QNV; c++) {                                                      \
-                        if (GROUPED) acc[r][c] += xr * q[c];                                             \
-                        else a[r][c] += xr * q[c];                                                       \
-                    }                                                                                    \
-                }                                                                                        \
+            } else {                                                                                     \
+                int k = g0;                                                                              \
+                for (; k + SPLIT <= g1; k += SPLIT)                                                      \
+                    _Pragma("GCC unroll 8") for (int u = 0; u < SPLIT; u++)                              \
+                        QROW_STEP(R, kind, k + u, acc[u]);                                               \
+                for (; k < g1; k++) QROW_STEP(R, kind, k, acc[0]);                                       \
             }                                                                                            \
             for (int r = 0; GROUPED && r < R; r++)                                                       \
                 for (int c = 0; c < QNV; c++) {                                                          \
-                    const vec sum = acc[r][c];                                                           \
+                    vec sum = acc[0][r][c];                                                              \
+                    for (int u = 1; u < SPLIT; u++) sum += acc[u][r][c];                                 \
                     a[r][c] += (kind == W_UINT4 ? sum - zc[c] * xsum[r * groups + g] : sum) * sc[c];     \
                 }                                                                                        \
         }                                                                                                \
