@@ -57,3 +57,20 @@ def test_cpu_kernel_bench_runs_every_kernel_against_its_twin(capsys):
     kernels_cpu.print_table({"cpu": "x", "torch": torch.__version__, "threads": 2, "variants": {"v": res}})
     assert "-> gemm" in capsys.readouterr().out
     json.dumps(res)
+
+
+@torch.inference_mode()
+def test_qgemm_stream_bench_times_every_kind_and_row_count(cpu_lib):
+    from bench import qgemm_stream
+
+    shapes = ((48, 32), (32, 64))
+    for kind in ("int8", "int4", "bf16"):
+        rows = qgemm_stream.stream(kind, 2, [1, 3], 1, {"this": cpu_lib, "other": cpu_lib}, shapes)
+        assert [(r["build"], r["rows"]) for r in rows] == [
+            ("this", 1),
+            ("other", 1),
+            ("this", 3),
+            ("other", 3),
+        ]
+        per_weight = {"int8": 1, "int4": 0.5, "bf16": 2}[kind]  # the panels pad N to whole panels
+        assert all(r["bytes"] >= 2 * per_weight * (48 * 32 + 32 * 64) and r["ms"] > 0 for r in rows)

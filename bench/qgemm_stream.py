@@ -1,0 +1,135 @@
+"""The low-bit GEMM (kernels/cpu_qgemm.c) streaming weights from memory, as a decode step does.
+
+`bench.kernels_cpu` times one projection over and over, so its weights stay in the last-level cache
+(a 2048 x 5632 int8 weight is 11 MB; a Zen 3 CCX has 32 MB) and it reads faster than memory
+allows. Here each pass runs the linear layers of several decoder layers of a Qwen3.5-0.8B-shaped
+MLP and attention (more bytes than any cache holds) once each, at 1 to 8 rows, and reports the
+weights' bytes per second against the read bandwidth measured in the same run: how close a decode
+step's linear layers come to the roofline of the smaller weights.
+
+`--against OLD.c` builds a second library with another version of cpu_qgemm.c (say
+`git show REV:kernels/cpu_qgemm.c > OLD.c`) and times the two pass by pass, interleaved, so that
+the machine's drift (on a shared VM, the same pass moves by 1.5x from one minute to the next)
+falls on both alike: before against after in one run.
+
+    python -m bench.qgemm_stream --kinds int8,int4,bf16 --json bench/results/qgemm_stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.machine import machine_info, memory_bytes_per_s
+from bench.save import save_json
+from mm_engine.kernels import cpu_build
+from mm_engine.models.layers.quant_linear import QuantLinear, quantize
+
+# (out, in) of one decoder layer's projections: the fused MLP up/gate, its down, a fused linear-
+# attention input projection and its output (the benchmark model's shapes).
+LAYER_SHAPES = ((7168, 1024), (1024, 3584), (8224, 1024), (1024, 2048))
+
+
+def stream(
+    kind: str, layers: int, rows: list[int], passes: int, libs: dict, shapes=LAYER_SHAPES, seed: int = 0
+) -> list[dict]:
+    """Per row count and library (`libs`: name -> kernel library): the best of `passes` passes over
+    `layers` copies of `shapes`' weights, the libraries taking turns pass by pass."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [
+        quantize(torch.randn(n, k, generator=g) * 0.02, kind) for _ in range(layers) for n, k in shapes
+    ]
+    linears: dict[str, list[QuantLinear]] = {name: [] for name in libs}
+    for w in weights:  # packed in turns, so that neither build's panels all come first in memory
+        for name, lib in libs.items():
+            linears[name].append(QuantLinear(w, None, lib))
+    first = next(iter(linears.values()))
+    nbytes = sum(lin.panels.weights.numel() + _numel(lin.panels.scales) for lin in first)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g) for _, k in shapes}
+        best = dict.fromkeys(libs, float("inf"))
+        for i in range(passes):
+            order = list(linears.items())
+            for name, lins in order if i % 2 == 0 else order[::-1]:  # ABBA: neither always goes first
+                t = time.perf_counter()
+                for lin in lins:
+                    lin(xs[lin.in_features])
+                best[name] = min(best[name], time.perf_counter() - t)
+        for name, sec in best.items():
+            out.append({"build": name, "kind": kind, "rows": m, "bytes": nbytes, "ms": sec * 1e3,
+                        "bytes_per_s": nbytes / sec})  # fmt: skip
+    return out
+
+
+def other_build(source: Path) -> ctypes.CDLL:
+    """The kernel library of the best variant here, with `source` as its cpu_qgemm.c."""
+    variant = cpu_build.best_variant()
+    folder = Path(tempfile.mkdtemp(prefix="qgemm-against-"))
+    for f in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+        shutil.copy(f, folder / f.name)
+    shutil.copy(source, folder / "cpu_qgemm.c")
+    sources = [folder / f.name for f in cpu_build.SOURCES]
+    lib = cpu_build._load_library(f"{variant}-against", sources, list(cpu_build.VARIANTS[variant].flags))
+    for fn_name, argtypes in cpu_build.SIGNATURES.items():
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+def _numel(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="int8,int4,bf16,fp8")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--layers", type=int, default=6, help="decoder layers' weights a pass streams")
+    ap.add_argument("--passes", type=int, default=7, help="passes per cell (the best is kept)")
+    ap.add_argument("--against", type=Path, default=None, help="another cpu_qgemm.c, timed interleaved")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.inference_mode().__enter__()
+    libs = {"this": cpu_build.load()}
+    if libs["this"] is None:
+        raise SystemExit("the CPU kernels could not be built here")
+    if args.against is not None:
+        libs["against"] = other_build(args.against)
+    rows = [int(r) for r in args.rows.split(",")]
+    results = []
+    for kind in args.kinds.split(","):
+        results += stream(kind, args.layers, rows, args.passes, libs)
+    bandwidth = memory_bytes_per_s()  # after the passes: the same minutes of the machine's drift
+    info = machine_info()
+    print(f"{info['cpu']}, {torch.get_num_threads()} threads, {cpu_build.best_variant()} kernels, "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    head = f"{'build':8} {'kind':6} {'rows':>4} {'MB':>8} {'ms':>8} {'GB/s':>7}"
+    print(f"{head} {'of bandwidth':>13} {'speedup':>8}")
+    this = {(r["kind"], r["rows"]): r["ms"] for r in results if r["build"] == "this"}
+    for r in results:
+        r["of_bandwidth"] = r["bytes_per_s"] / bandwidth
+        if r["build"] == "against":  # how much faster this build is than the other
+            r["this_speedup"] = r["ms"] / this[(r["kind"], r["rows"])]
+        speedup = f"{r['this_speedup']:7.2f}x" if "this_speedup" in r else ""
+        print(f"{r['build']:8} {r['kind']:6} {r['rows']:4d} {r['bytes'] / 1e6:8.1f} {r['ms']:8.2f} "
+              f"{r['bytes_per_s'] / 1e9:7.1f} {r['of_bandwidth']:12.0%} {speedup:>8}")  # fmt: skip
+    result = {
+        "machine": info,
+        "variant": cpu_build.best_variant(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "bandwidth_bytes_per_s": bandwidth,
+        "rows": results,
+    }
+    save_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
