@@ -47,23 +47,34 @@ def _lines(out: Path) -> list[dict]:
     ]
 
 
+def _worker_pids() -> set[int]:
+    """Processes of caption actors (Ray names an actor's process after its class)."""
+    pids = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"ray::CaptionWorker" in cmdline:
+            pids.add(int(pid))
+    return pids
+
+
 def _kill_one_worker(killed: list[int]):
-    """A progress callback that SIGKILLs one caption actor's process, once."""
+    """A progress callback that SIGKILLs one caption actor's process of this run, once: not one of
+    an earlier run's actors, which `ray.kill` ends asynchronously (killing one of those, still
+    exiting, once left this run whole and the test failing)."""
+    earlier = _worker_pids()
 
     def progress(report: dict) -> None:
         if killed:
             return
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"ray::CaptionWorker" in cmdline:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-                return
+        for pid in sorted(_worker_pids() - earlier):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
 
     return progress
 
