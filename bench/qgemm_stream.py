@@ -50,7 +50,7 @@ def stream(
         for name, lib in libs.items():
             linears[name].append(QuantLinear(w, None, lib))
     first = next(iter(linears.values()))
-    nbytes = sum(lin.panels.weights.numel() + _numel(lin.panels.scales) for lin in first)
+    nbytes = sum(lin.panels.weights.numel() + _nbytes(lin.panels.scales) for lin in first)
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for _, k in shapes}
@@ -70,20 +70,14 @@ def stream(
 
 def other_build(source: Path) -> ctypes.CDLL:
     """The kernel library of the best variant here, with `source` as its cpu_qgemm.c."""
-    variant = cpu_build.best_variant()
     folder = Path(tempfile.mkdtemp(prefix="qgemm-against-"))
-    for f in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+    for f in (*cpu_build.SOURCES, *cpu_build.HEADERS):  # (the sources include their header by name)
         shutil.copy(f, folder / f.name)
     shutil.copy(source, folder / "cpu_qgemm.c")
-    sources = [folder / f.name for f in cpu_build.SOURCES]
-    lib = cpu_build._load_library(f"{variant}-against", sources, list(cpu_build.VARIANTS[variant].flags))
-    for fn_name, argtypes in cpu_build.SIGNATURES.items():
-        fn = getattr(lib, fn_name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return lib
+    return cpu_build.build(cpu_build.best_variant(), [folder / f.name for f in cpu_build.SOURCES])
 
 
-def _numel(t: torch.Tensor | None) -> int:
+def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 

@@ -195,15 +195,21 @@ def load(variant: str | None = None) -> ctypes.CDLL | None:
             _errors[name] = f"this CPU lacks {why_unsupported(name)}"
         else:
             try:
-                lib = _load_library(name, SOURCES, list(VARIANTS[name].flags))
-                for fn_name, argtypes in SIGNATURES.items():
-                    fn = getattr(lib, fn_name)
-                    fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                _libs[name] = lib
+                _libs[name] = build(name, SOURCES)
             except (OSError, subprocess.SubprocessError, FileNotFoundError) as e:
                 _errors[name] = _describe(e)
                 log.warning("CPU C kernels (%s) unavailable, using the torch path: %s", name, _errors[name])
     return _libs[name]
+
+
+def build(variant: str, sources: list[Path]) -> ctypes.CDLL:
+    """`sources` built as variant `variant`'s library, its functions typed. `load` builds the
+    package's own; a bench may build another version of a source beside it."""
+    lib = _load_library(variant, sources, list(VARIANTS[variant].flags))
+    for fn_name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
 
 
 def takes(*tensors: torch.Tensor) -> bool:
