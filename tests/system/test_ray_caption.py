@@ -48,18 +48,20 @@ def _lines(out: Path) -> list[dict]:
 
 
 def _worker_pids() -> set[int]:
-    """Processes of caption actors (Ray names an actor's process after its class)."""
-    pids = set()
+    """Main processes of caption actors: Ray titles an actor's process after its class, and a
+    process it forks keeps that title, so one whose parent has it too is not an actor."""
+    titled: dict[int, int] = {}  # pid -> parent pid
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         if b"ray::CaptionWorker" in cmdline:
-            pids.add(int(pid))
-    return pids
+            titled[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return {pid for pid, parent in titled.items() if parent not in titled}
 
 
 def _kill_one_worker(killed: list[int]):
