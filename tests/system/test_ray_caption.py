@@ -47,21 +47,28 @@ def _lines(out: Path) -> list[dict]:
     ]
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _worker_pids() -> set[int]:
-    """Main processes of caption actors: Ray titles an actor's process after its class, and a
-    process it forks keeps that title, so one whose parent has it too is not an actor."""
-    titled: dict[int, int] = {}  # pid -> parent pid
+    """Main processes of this test process's caption actors. Ray titles an actor's process after
+    its class; the raylet that starts it is a child of the driver, so an actor of this cluster is a
+    grandchild of this process. That rules out a process an actor forks (it keeps the title) and
+    the actors of another pytest worker's cluster (the module's tests may run side by side, and
+    killing the other's actor once left this run whole)."""
+    me = os.getpid()
+    pids: set[int] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if b"ray::CaptionWorker" in cmdline:
-            titled[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return {pid for pid, parent in titled.items() if parent not in titled}
+            titled = b"ray::CaptionWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            if titled and _parent(_parent(int(pid))) == me:
+                pids.add(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return pids
 
 
 def _kill_one_worker(killed: list[int]):
