@@ -17,6 +17,10 @@ scales, the LM head's float32 panels) plus the KV of the batch, over the read ba
 in the same run. Agreement: over the caption and chat outputs, the share of greedy tokens equal to
 fp32's at the same position, and on the chat prompts the mean log-probability the fp32 model gives
 the setting's tokens (fp32's own tokens score highest; the gap is the quality proxy).
+Host floor (`--floor`, the Qwen benchmark models): the same settings on a twin with the model's
+layers and vocabulary at widths of 64 (bench/vlm.py `floor_model_path`), timed in the same rounds;
+its step is what the host spends around the kernels. A step's bound is then the roofline plus the
+floor, and `of_bound` says how close the setting comes to it.
 """
 
 from __future__ import annotations
@@ -109,7 +113,19 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def cell(step: dict, base: dict) -> str:
-    return f"{step['ms']:9.2f} ({base['ms'] / step['ms']:4.2f}x, {step['of_roofline']:4.0%})".rjust(30)
+    of = step.get("of_bound", step["of_roofline"])
+    return f"{step['ms']:9.2f} ({base['ms'] / step['ms']:4.2f}x, {of:4.0%})".rjust(30)
+
+
+def engine(path: str, setting: str, seats: int, kv_bytes: int) -> LLM:
+    """The cpu backend's engine of `setting` ("int4+head": the LM head quantized too), warmed up."""
+    kind, _, head = setting.partition("+")
+    # No snapshot rows: they would take state slots, hence seats, and prefix reuse is not timed.
+    llm = LLM(path, attention_backend="cpu", quantization=None if kind == "fp32" else kind,
+              quantize_lm_head=head == "head", max_num_seqs=seats, kv_cache_memory_bytes=kv_bytes,
+              num_state_snapshots=0)  # fmt: skip
+    step_seconds(llm, 1, 16, 4, seed=99)  # warm-up: first-touch of the KV memory
+    return llm
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -124,6 +140,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of decode-step timing over the settings")
     ap.add_argument("--kv-gib", type=float, default=1.5, help="KV (and state) memory of each engine")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the host floor on the model's width-64 twin (Qwen benchmark models)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -131,21 +153,24 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     bandwidth = memory_bytes_per_s()
     settings = args.settings.split(",")
-    engines = {}
-    for setting in settings:
-        kind, _, head = setting.partition("+")  # "int4+head": the LM head quantized too
-        # No snapshot rows: they would take state slots, hence seats, and prefix reuse is not timed.
-        engines[setting] = LLM(path, attention_backend="cpu", quantization=None if kind == "fp32" else kind,
-                               quantize_lm_head=head == "head", max_num_seqs=max(batches),
-                               kv_cache_memory_bytes=int(args.kv_gib * 1024**3),
-                               num_state_snapshots=0)  # fmt: skip
-        step_seconds(engines[setting], 1, 16, 4, seed=99)  # warm-up: first-touch of the KV memory
+    seats = max(batches)
+    engines = {s: engine(path, s, seats, int(args.kv_gib * 1024**3)) for s in settings}
+    twin = vlm.floor_model_path(args.model) if args.floor else None
+    floors = {s: engine(str(twin), s, seats, 256 * 1024**2) for s in settings} if twin else {}
     medians: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in settings}
+    floor_medians: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in floors}
     for _ in range(args.rounds):
         for setting in settings:
             for b in batches:
                 times = step_seconds(engines[setting], b, args.context, args.steps, seed=b)
                 medians[setting][b].append(statistics.median(times))
+                if setting in floors:
+                    times = step_seconds(floors[setting], b, args.context, args.steps, seed=b)
+                    floor_medians[setting][b].append(statistics.median(times))
+    # The twin's own bytes (its LM head above all) are in the roofline already: not counted twice.
+    floor_bytes = {s: weight_bytes(llm.engine.core.model.language_model) for s, llm in floors.items()}
+    for llm in floors.values():
+        llm.close()
     rows, fp32 = [], None
     for setting in settings:
         llm = engines[setting]
@@ -158,6 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
             bound = (wbytes + b * (args.context + 1) * kv_token) / bandwidth
             steps[b] = {"ms": med * 1e3, "roofline_ms": bound * 1e3, "of_roofline": bound / med,
                         "rounds_ms": [m * 1e3 for m in medians[setting][b]]}  # fmt: skip
+            if setting in floor_medians:
+                host = statistics.median(floor_medians[setting][b]) - floor_bytes[setting] / bandwidth
+                floor = max(0.0, host)
+                steps[b].update(floor_ms=floor * 1e3, bound_ms=(bound + floor) * 1e3)
+                steps[b]["of_bound"] = (bound + floor) / med
         done = jobs(llm, path, args.jobs, args.max_tokens)
         row = {"setting": setting, "weight_bytes": wbytes, "compute": core.platform.quantized_compute(),
                "steps": steps, "caption_s": done["caption"]["seconds"],
@@ -179,13 +209,17 @@ def main(argv: list[str] | None = None) -> dict:
         f"{machine_info()['cpu']}, {args.threads} threads, "
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.model}"
     )
-    head = " ".join(f"{'b=' + str(b) + ' ms (x fp32, of roofline)':>30}" for b in batches)
-    print(f"{'setting':8} {'weights MB':>10} {head} {'caption':>9} {'chat':>9} {'agree':>6} {'logprob':>8}")
+    of = "of bound" if floors else "of roofline"
+    head = " ".join(f"{'b=' + str(b) + f' ms (x fp32, {of})':>30}" for b in batches)
+    floor_head = f" {'floor ms':>14}" if floors else ""
+    print(f"{'setting':8} {'weights MB':>10} {head} {'caption':>9} {'chat':>9} {'agree':>6} "
+          f"{'logprob':>8}{floor_head}")  # fmt: skip
     for r in rows:
         cells = " ".join(cell(r["steps"][b], base["steps"][b]) for b in batches)
         cap, chat = base["caption_s"] / r["caption_s"], base["chat_s"] / r["chat_s"]
+        floor = " " + "/".join(f"{r['steps'][b]['floor_ms']:.1f}" for b in batches) if floors else ""
         print(f"{r['setting']:8} {r['weight_bytes'] / 1e6:10.1f} {cells} {cap:8.2f}x {chat:8.2f}x "
-              f"{r['agreement']:6.1%} {r['fp32_logprob']:8.3f}")  # fmt: skip
+              f"{r['agreement']:6.1%} {r['fp32_logprob']:8.3f}{floor:>15}")  # fmt: skip
     result = {"machine": machine_info(), "args": vars(args), "bandwidth_bytes_per_s": bandwidth, "rows": rows}
     if args.json:
         save_json(args.json, result)

@@ -238,6 +238,32 @@ def bench_qwen_model_path(version: str = "qwen2_5_vl") -> Path:
     ))  # fmt: skip
 
 
+# The host floor of a decode step: a twin of a Qwen benchmark model with the same layers (count,
+# kinds, order), vocabulary and template, but widths of 64, so that its step reads hardly any bytes
+# and costs what the host does around the kernels (Python, torch ops, each kernel's call).
+FLOOR_TEXT_DIMS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+FLOOR_HYBRID_DIMS = dict(
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=32, linear_value_head_dim=32,
+)  # fmt: skip
+
+
+def floor_model_path(model: str) -> Path | None:
+    """The host-floor twin of `bench-qwen2.5-vl` or `bench-qwen3.5` (built once); None for others."""
+    if model not in ("bench-qwen2.5-vl", "bench-qwen3.5"):
+        return None
+    version = "qwen3_5" if model == "bench-qwen3.5" else "qwen2_5_vl"
+    text = (
+        dict(QWEN35_TEXT_DIMS, **FLOOR_TEXT_DIMS, **FLOOR_HYBRID_DIMS)
+        if version == "qwen3_5"
+        else dict(QWEN_TEXT_DIMS, **FLOOR_TEXT_DIMS)
+    )
+    name = (QWEN35_NAME if version == "qwen3_5" else QWEN_NAME) + "-floor"
+    return built_once(name, f"the {version} host-floor twin", lambda out: build_checkpoint(
+        version, out, text_dims=text, vocab_size=VOCAB, weight_scale=2.0,
+    ))  # fmt: skip
+
+
 def prompts_for(model: str):
     """(caption prompt, question -> chat prompt) for a checkpoint: LLaVA's fixed strings for the
     LLaVA model (its figures stay comparable across versions), the checkpoint's own chat template
