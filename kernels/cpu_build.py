@@ -49,6 +49,7 @@ SOURCES = [
         "cpu_linear_attention",
         "cpu_qgemm",
         "cpu_qgemm_a8",
+        "cpu_layer_decode",
     )
 ]
 HEADERS = [HERE / "cpu_simd.h"]
@@ -98,6 +99,9 @@ SIGNATURES = {
         *(_I64, _I32, _I32, _I32, _I32, _I32, _I32),  # batch, heads, key heads, dk, dv, width, threads
     ],
     "rotary_": [_P, _I64, _I32, _I64, _I32, _P, _P, _I32],
+    "mlp_decode": [_P, _P, _P, _P, _P, _I32, _I32, _I32],  # layer, residual, mixed, scratch, out, hidden, M
+    # layer, x, residual, conv, state, slots, scratch, out, M, threads
+    "delta_layer_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I32, _I32],
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],
     "qgemm_panels": [_P, _I64, _P, _I32, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],

@@ -27,6 +27,7 @@ KERNELS = (
     "gelu_tanh",  # tanh-GELU in place, in place of F.gelu
     "delta_rule",  # Gated DeltaNet's decode step and conv, in place in the state pool (cpu_linear_attention)
     "qgemm",  # quantized linears (cpu_qgemm.c) in place of dequantize-then-matmul
+    "layer_decode",  # a decoder layer's decode step in one call (cpu_layer_decode.c): the kernels above
 )
 # From bench.kernels_cpu on the 2-core AMD EPYC (Zen 4) development machine, which runs every
 # variant (torch held to the same ISA in each; bench/results/kernels_cpu.json is the last of three
@@ -48,6 +49,9 @@ KERNELS = (
 # The Gated DeltaNet decode step (`delta_rule`, bench/results/kernels_cpu_delta_rule.json) won
 # everywhere it ran: on a Zen 3 (AVX2 only) 8.6x, 49x, 24x on avx2 and 5.3x, 28x, 17x on portable
 # at 1, 8, 32 sequences of 16 heads of 128x128; on a Zen 4 10.2x, 51x, 23.5x on avx512.
+# `layer_decode` runs the kernels above in one call per layer part instead of one Python call
+# each (bench.layer_decode: the engine with and without it, side by side); it is on wherever the
+# kernels it strings together are (a part whose kernels are off keeps its modules).
 MEASURED_FASTER: dict[str, frozenset[str]] = {
     "avx512": frozenset(KERNELS),
     "avx2": frozenset(KERNELS) - {"vision_attention"},

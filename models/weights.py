@@ -11,6 +11,7 @@ from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models import checkpoint_quant
+from mm_engine.models.layers import layer_decode
 from mm_engine.models.layers.decoder import DecoderLM
 from mm_engine.models.layers.moe import checkpoint_layout
 from mm_engine.models.platform import Platform, pack_model_linears, quantize_model_linears
@@ -142,4 +143,5 @@ def ready(model, platform: Platform, pack_weights: bool):
     quantize_model_linears(model.language_model, platform)
     if pack_weights:
         pack_model_linears(model, model.language_model, platform)
+    layer_decode.prepare(model.language_model)  # last: it points at the packed weights
     return model

@@ -18,8 +18,10 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mm_engine.kernels.backend import AttentionBackend
+from mm_engine.kernels.cpu_layer_decode import MmMlp
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers import layer_decode
 from mm_engine.models.layers.mlp import MLP, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
@@ -199,6 +201,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps, ops, dtype)
         self.post_self_attn_layernorm = RMSNorm(dim, eps, ops, dtype) if sandwich else None
         self.post_mlp_layernorm = RMSNorm(dim, eps, ops, dtype) if sandwich else None
+        # The post-attention half in one C call (models/layers/layer_decode.py, set after loading
+        # where it applies).
+        self.mlp_spec: MmMlp | None = None
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, backend):
         """`x` is the previous layer's MLP output, still to be added to `residual` (None for the
@@ -209,6 +214,8 @@ class DecoderLayer(nn.Module):
         else:
             residual, h = self.input_layernorm.add_and_norm(residual, x)
         attn = self.self_attn(h, rope, k_cache, v_cache, meta, backend)
+        if self.mlp_spec is not None and (done := layer_decode.mlp_half(self, residual, attn)) is not None:
+            return done
         if self.post_self_attn_layernorm is not None:
             attn = self.post_self_attn_layernorm(attn)
         residual, h = self.post_attention_layernorm.add_and_norm(residual, attn)

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mm_engine.kernels import cpu_layer_decode
 from mm_engine.kernels import gated_delta as gd
 from mm_engine.kernels.host_copy import to_device
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
+from mm_engine.models.layers import layer_decode
 from mm_engine.models.layers.decoder import DecoderLM, RMSNorm, rotate_part
-from mm_engine.models.layers.mlp import MLP, can_concat, concat_linears
+from mm_engine.models.layers.mlp import MLP, MMAP_BYTES, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
 
@@ -269,9 +271,16 @@ class HybridLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        # C descriptions for one-call forms (models/layers/layer_decode.py, set after loading where
+        # they apply): a linear layer's whole decode, and any layer's post-attention half.
+        self.decode_spec: cpu_layer_decode.MmDeltaLayer | None = None
+        self.mlp_spec: cpu_layer_decode.MmMlp | None = None
 
     def forward(self, x, residual, rope, caches: tuple[torch.Tensor, torch.Tensor], meta, backend):
         """As `DecoderLayer.forward`; `caches` is this layer's (K, V) or (conv, recurrent) state."""
+        done = None if self.decode_spec is None else self._decode_in_c(x, residual, caches, meta)
+        if done is not None:
+            return done
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -280,8 +289,26 @@ class HybridLayer(nn.Module):
             mixed = self.linear_attn(h, *caches, meta)
         else:
             mixed = self.self_attn(h, rope, *caches, meta, backend)
+        if self.mlp_spec is not None and (done := layer_decode.mlp_half(self, residual, mixed)) is not None:
+            return done
         residual, h = self.post_attention_layernorm.add_and_norm(residual, mixed)
         return self.mlp(h), residual
+
+    def _decode_in_c(self, x, residual, caches, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole layer in one C call, as its modules compute it, when every row of the step is
+        a decode continuing its state, in order; else None (nothing done)."""
+        lay = _layout(meta)
+        rows = x.shape[0]
+        if lay.prefills or lay.decode_fresh is not None or lay.decode_snapshots is not None:
+            return None
+        if lay.decode_rows != slice(0, rows) or rows * 2 * self.mlp.width * 4 >= MMAP_BYTES:
+            return None  # (the MLP's rows in chunks past that: the modules' path, whose sums those are)
+        conv, state = caches
+        tensors = (x, conv, state) if residual is None else (x, conv, state, residual)
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
+            return None
+        lib, spec = self.linear_attn.ops.lib, self.decode_spec
+        return cpu_layer_decode.delta_layer_decode(lib, spec, x, residual, conv, state, lay.decode_slots)
 
 
 class HybridLM(DecoderLM):

@@ -1,0 +1,95 @@
+/* A decoder layer's decode step in one call: the kernels its torch modules call one by one (the
+ * norms, the projections, the linear-attention step, SiLU-and-multiply), in the same order and on
+ * the same inputs, so the result is the one the modules compute, bit for bit. At batch 1 a step
+ * of a small model spends as long in Python between the kernels as in them; this is that Python's
+ * work done in C. The layer's weights come in plain structs built once (kernels/cpu_layer_decode.py);
+ * each call brings the step's activations, state rows and one scratch buffer. */
+#include <stddef.h>
+#include <stdint.h>
+
+/* One linear layer as its kernel reads it: kind 0 float32 panels (cpu_gemm.c), else a kind of
+ * cpu_qgemm.c's low-bit panels with their scales and zero points. `bias` padded to whole panels. */
+typedef struct {
+    int kind, group, n, k;
+    const void *weights;
+    const float *scales, *zeros, *bias;
+} mm_linear;
+
+/* The post-attention half of a layer: the residual add and RMSNorm, gate and up in one matmul,
+ * SiLU-and-multiply, down. `width`: the MLP's hidden size (gate_up has twice as many outputs). */
+typedef struct {
+    mm_linear gate_up, down;
+    const float *norm;
+    float eps;
+    int width;
+} mm_mlp;
+
+/* A linear-attention (Gated DeltaNet) layer: input RMSNorm, the fused input projection (mixed q|k|v
+ * before the conv, z, b, a side by side), the conv, gates, delta rule and gated norm of
+ * cpu_linear_attention.c, the output projection, then the MLP half. */
+typedef struct {
+    mm_linear in_proj, out_proj;
+    const float *in_norm, *conv_weight, *a_log, *dt_bias, *gate_norm;
+    float eps, gate_eps;
+    int hidden, heads, key_heads, dk, dv, conv_width;
+    mm_mlp mlp;
+} mm_delta_layer;
+
+int gemm_panels(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int threads);
+int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, const float *scales,
+                 const float *zeros, int group, const float *bias, float *y, int64_t ldy, int M, int N, int K,
+                 int threads);
+void rms_norm(const float *x, const float *delta, float *sum_out, const float *w, float *out, int64_t rows,
+              int64_t cols, float eps, int threads);
+void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t cols, int threads);
+int gated_delta_decode_(float *conv, float *state, const int64_t *slots, const float *mixed, int64_t mixed_stride,
+                        const float *z, int64_t z_stride, const float *b_in, const float *a_in, int64_t ba_stride,
+                        const float *conv_weight, const float *a_log, const float *dt_bias, const float *norm_weight,
+                        float eps, float *out, int64_t batch, int heads, int key_heads, int dk, int dv, int width,
+                        int threads);
+
+static int linear(const mm_linear *l, const float *x, float *y, int M, int threads) {
+    if (l->kind == 0) return gemm_panels(x, l->k, l->weights, l->bias, y, l->n, M, l->n, l->k, threads);
+    return qgemm_panels(x, l->k, l->weights, l->kind, l->scales, l->zeros, l->group, l->bias, y, l->n, M, l->n,
+                        l->k, threads);
+}
+
+/* residual += mixed; out = down(silu(gate) * up) of the norm of the sum. `scratch`: M x (hidden +
+ * 3 width) floats. Returns 0, or -1 where a kernel could not allocate its scratch. */
+int mlp_decode(const mm_mlp *m, float *residual, const float *mixed, float *scratch, float *out, int hidden, int M,
+               int threads) {
+    float *h = scratch, *gate_up = h + (int64_t)M * hidden, *act = gate_up + (int64_t)M * 2 * m->width;
+    rms_norm(residual, mixed, residual, m->norm, h, M, hidden, m->eps, threads);
+    if (linear(&m->gate_up, h, gate_up, M, threads)) return -1;
+    silu_and_mul(gate_up, 2 * (int64_t)m->width, act, M, m->width, threads);
+    return linear(&m->down, act, out, M, threads);
+}
+
+/* One decode token of each of M sequences through a linear-attention layer. `x` [M, hidden] the
+ * layer's input, `residual` the residual stream (updated in place; NULL for the first layer, whose
+ * input then becomes it, as in the modules); conv and state: the layer's state pool tensors, row
+ * slots[b] for sequence b (updated in place); `scratch` M x (3 hidden + in_proj.n + heads dv +
+ * 3 mlp.width) floats; `out` [M, hidden] the layer's output. Returns 0, or -1 where a kernel could
+ * not allocate its scratch. */
+int delta_layer_decode(const mm_delta_layer *L, float *x, float *residual, float *conv, float *state,
+                       const int64_t *slots, float *scratch, float *out, int M, int threads) {
+    const int64_t H = L->hidden, P = L->in_proj.n, values = (int64_t)L->heads * L->dv;
+    const int64_t channels = 2 * (int64_t)L->key_heads * L->dk + values;
+    float *h = scratch, *proj = h + M * H, *attn = proj + M * P, *mixed = attn + M * values;
+    float *rest = mixed + M * H;
+    if (residual == NULL) {
+        residual = x;
+        rms_norm(x, NULL, x, L->in_norm, h, M, H, L->eps, threads);
+    } else {
+        rms_norm(residual, x, residual, L->in_norm, h, M, H, L->eps, threads);
+    }
+    if (linear(&L->in_proj, h, proj, M, threads)) return -1;
+    const float *z = proj + channels, *b = z + values, *a = b + L->heads;
+    if (gated_delta_decode_(conv, state, slots, proj, P, z, P, b, a, P, L->conv_weight, L->a_log, L->dt_bias,
+                            L->gate_norm, L->gate_eps, attn, M, L->heads, L->key_heads, L->dk, L->dv,
+                            L->conv_width, threads))
+        return -1;
+    if (linear(&L->out_proj, attn, mixed, M, threads)) return -1;
+    return mlp_decode(&L->mlp, residual, mixed, rest, out, (int)H, M, threads);
+}
