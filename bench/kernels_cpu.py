@@ -65,7 +65,7 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
     import torch.nn.functional as F
     from torch import nn
 
-    from bench.kernels_cpu_cases import attention_cases
+    from bench.kernels_cpu_cases import attention_cases, layer_decode_cases
     from mm_engine.kernels import cpu_elementwise
     from mm_engine.kernels.cpu_kernels import KERNELS, select
     from mm_engine.kernels.ops import TORCH_OPS
@@ -186,6 +186,7 @@ def cases(quick: bool) -> list[tuple[str, str, Callable, Callable]]:
                 lambda f=low_bit, x=x: f(x),
                 lambda f=dequantizing, x=x: f(x),
             ))  # fmt: skip
+    out += layer_decode_cases(kernels, quick, g)
     act = torch.randn(2 if quick else 8 * 196, vision_mlp, generator=g)
     out.append((
         "gelu_tanh", f"{act.shape[0]} x {vision_mlp} (vision MLP)",

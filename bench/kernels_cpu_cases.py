@@ -118,3 +118,50 @@ def attention_cases(
             lambda q=wq, k=wk, v=wv, w=windows: TorchOps.varlen_attention(ops, q, k, v, w, 0.125),
         ))  # fmt: skip
     return out
+
+
+Case = tuple[str, str, Callable, Callable]
+
+
+def layer_decode_cases(kernels: CpuKernels, quick: bool, g: torch.Generator) -> list[Case]:
+    """A Qwen3.5 linear-attention layer's decode (the benchmark model's widths; float32 panels): in
+    one C call against its modules calling the same kernels one by one."""
+    from types import SimpleNamespace
+
+    from mm_engine.models.layers import layer_decode
+    from mm_engine.models.layers.hybrid import LINEAR, HybridLayer, _Layout
+    from mm_engine.models.layers.packed_linear import panel_linears
+
+    hidden, inter, heads, dim = (64, 128, 2, 32) if quick else (1024, 3584, 16, 128)
+    config = SimpleNamespace(
+        hidden_size=hidden, intermediate_size=inter, hidden_act="silu", rms_norm_eps=1e-6,
+        layer_types=[LINEAR], linear_num_key_heads=heads, linear_num_value_heads=heads,
+        linear_key_head_dim=dim, linear_value_head_dim=dim, linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    layer = HybridLayer(config, 0, dim, CpuOps(kernels), None, torch.float32).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02, generator=g)
+        layer.linear_attn.A_log.zero_()
+    layer.linear_attn.fuse()
+    layer.mlp.fuse()
+    panel_linears(layer, kernels.lib)
+    spec = layer_decode.delta_layer_spec(layer)
+    assert spec is not None, "the bench's layer must be one the one-call decode describes"
+    out = []
+    for batch in (1, 4) if quick else (1, 8):
+        channels = 2 * heads * dim + heads * dim
+        conv, state = torch.zeros(batch, channels, 3), torch.zeros(batch, heads, dim, dim)
+        slots = torch.arange(batch)
+        meta = SimpleNamespace(derived={"hybrid": _Layout(slice(0, batch), slots, None, [])})
+        x, residual = torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g)
+
+        def run(with_spec: bool, x=x, residual=residual, caches=(conv, state), meta=meta):
+            layer.decode_spec = spec if with_spec else None
+            return layer(x, residual.normal_(generator=g), None, caches, meta, None)
+
+        out.append((
+            "layer_decode", f"Gated DeltaNet layer, {batch} seqs, hidden {hidden}",
+            lambda run=run: run(True), lambda run=run: run(False),
+        ))  # fmt: skip
+    return out

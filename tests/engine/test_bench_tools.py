@@ -172,3 +172,16 @@ def test_towers_bench_runs_every_fixed_size_family_and_pixtral_equal_to_transfor
     assert all(r["max_abs_diff"] < 1e-4 and r["engine_vs_transformers"] > 0 for r in out["rows"])
     assert out["rows"][-1]["grids"] == [[2, 3], [1, 4]]
     assert json.loads((tmp_path / "t.json").read_text())["rows"] == out["rows"]
+
+
+def test_layer_decode_bench_compares_both_engines_on_equal_tokens(vl_family, tmp_path, capsys):
+    from bench import layer_decode
+
+    path, _ = vl_family("qwen3_5")
+    out = tmp_path / "layer_decode.json"
+    args = ["--models", path, "--settings", "fp32,int4", "--batch-sizes", "1,2", "--rounds", "1"]
+    res = layer_decode.main([*args, "--steps", "2", "--json", str(out)])
+    assert [r["setting"] for r in res["rows"]] == ["fp32", "int4"]
+    assert all(r["tokens_equal"] and set(r["steps"]) == {1, 2} for r in res["rows"])
+    assert all(s["off_ms"] > 0 and s["on_ms"] > 0 for r in res["rows"] for s in r["steps"].values())
+    assert "without / with" in capsys.readouterr().out and json.loads(out.read_text())["rows"]
