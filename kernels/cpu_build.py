@@ -102,6 +102,8 @@ SIGNATURES = {
     "mlp_decode": [_P, _P, _P, _P, _P, _I32, _I32, _I32],  # layer, residual, mixed, scratch, out, hidden, M
     # layer, x, residual, conv, state, slots, scratch, out, M, threads
     "delta_layer_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I32, _I32],
+    # layer, x, residual, cos, sin, kv rows, scratch, out, M, threads
+    "attn_layer_decode": [_P, _P, _P, _P, _P, _P, _P, _P, _I32, _I32],
     "gemm_panels": [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "gemm_panel_width": [],
     "qgemm_panels": [_P, _I64, _P, _I32, _P, _P, _I32, _P, _P, _I64, _I32, _I32, _I32, _I32],

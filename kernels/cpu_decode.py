@@ -13,6 +13,9 @@ import torch
 
 from mm_engine.kernels.cpu_build import takes
 
+# The head shapes the kernel takes (cpu_decode.c's MAX_GROUP, MAX_DIM): query heads per KV head, head size.
+MAX_GROUP, MAX_DIM = 16, 256
+
 
 def paged_decode(
     lib: ctypes.CDLL,

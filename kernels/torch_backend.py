@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from mm_engine.kernels import cpu_decode, cpu_kv_write, cpu_prefill
+from mm_engine.kernels.cpu_build import takes
 from mm_engine.kernels.cpu_kernels import CpuKernels
+from mm_engine.kernels.cpu_layer_decode import DecodeRows
 from mm_engine.kernels.metadata import AttentionMetadata
 
 
@@ -156,6 +158,38 @@ class TorchBackend:
         for length, seqs in whole.items():
             self._whole_prompts(query, out, k_cache, v_cache, meta, length, seqs, scale)
         return out
+
+    def decode_rows(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> DecodeRows | None:
+        """For a layer's one-call decode (models/layers/layer_decode.py): the step's rows where
+        every row is one sequence's decode, in order, that this backend would write and attend with
+        its C kernels (both on, every slot in the pool, float32 in the pool's own layout); else
+        None, and the layer takes its modules' path. Worked out once a step."""
+        if not (self.c_decode and self.c_write) or meta.bidirectional is not None:
+            return None
+        if not (takes(k_cache, v_cache) and k_cache.transpose(1, 2).is_contiguous()):
+            return None
+        if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+            return None
+        key = ("decode_rows", k_cache.shape[:2])
+        if key not in meta.derived:
+            meta.derived[key] = self._decode_rows(meta, k_cache.shape[0] * k_cache.shape[1])
+        return meta.derived[key]
+
+    def _decode_rows(self, meta: AttentionMetadata, pool_slots: int) -> DecodeRows | None:
+        plan = meta.derived.get(self.name)
+        if plan is None:
+            plan = meta.derived[self.name] = _Plan.of(meta, self.c_decode, self.c_prefill)
+        slots = meta.slot_mapping
+        if plan.others or plan.rows is not None or not plan.batched:
+            return None
+        if slots.dtype != torch.int64 or slots.device.type != "cpu" or not slots.is_contiguous():
+            return None
+        if int(slots.min()) < 0 or int(slots.max()) >= pool_slots:
+            return None
+        tables = plan.tables.to(torch.int32).contiguous()
+        return DecodeRows(slots, tables, plan.lens.to(torch.int32).contiguous(), plan.max_len)
 
     def _prefill_kernel(self, query, out, k_cache, v_cache, plan: _Plan, scale: float) -> bool:
         """Every sequence not batched as a decode through the C prefill kernel in one call, written

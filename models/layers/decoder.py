@@ -18,7 +18,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mm_engine.kernels.backend import AttentionBackend
-from mm_engine.kernels.cpu_layer_decode import MmMlp
+from mm_engine.kernels.cpu_layer_decode import MmAttnLayer, MmMlp
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers import layer_decode
@@ -78,7 +78,8 @@ class Rotary(nn.Module):
         """cos and sin `[tokens, 1, head_dim // 2]` for these positions (both halves of a head use
         the same angles), computed once per forward pass and shared by every layer."""
         if positions.dim() == 2:  # [3, tokens]: each frequency reads its own axis
-            freqs = positions[self.streams].t().float() * self.inv_freq[None, :]
+            # (contiguous, as the C rotary takes it: the transposed gather would stay strided)
+            freqs = positions[self.streams].t().float().contiguous() * self.inv_freq[None, :]
         else:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
@@ -201,14 +202,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps, ops, dtype)
         self.post_self_attn_layernorm = RMSNorm(dim, eps, ops, dtype) if sandwich else None
         self.post_mlp_layernorm = RMSNorm(dim, eps, ops, dtype) if sandwich else None
-        # The post-attention half in one C call (models/layers/layer_decode.py, set after loading
-        # where it applies).
+        # C descriptions for one-call forms (models/layers/layer_decode.py, set after loading where
+        # they apply): the whole layer's decode, and the post-attention half.
+        self.decode_spec: MmAttnLayer | None = None
         self.mlp_spec: MmMlp | None = None
 
     def forward(self, x, residual, rope, k_cache, v_cache, meta, backend):
         """`x` is the previous layer's MLP output, still to be added to `residual` (None for the
         first layer: x is the embeddings). Returns this layer's (MLP output, residual): each add
         is left to the next norm, which does it in the same pass over the row."""
+        if self.decode_spec is not None:
+            done = layer_decode.attention_layer(self, x, residual, rope, k_cache, v_cache, meta, backend)
+            if done is not None:
+                return done
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

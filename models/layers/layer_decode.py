@@ -6,8 +6,10 @@ MLP, no tensor parallelism, and the ops using the C norms, SiLU-and-multiply and
 
 - Every layer's post-attention half (the residual add and norm, then the MLP; `layer.mlp_spec`)
   runs in one call on any step whose rows the MLP takes whole (`mlp_half`).
-- A linear-attention layer runs whole in one call on a step of decodes only (`layer.decode_spec`,
-  models/layers/hybrid.py).
+- A linear-attention layer (models/layers/hybrid.py) and a decoder layer's full attention with a
+  fused q|k|v and a whole-head rotary (models/layers/decoder.py) run whole in one call on a step
+  of decodes only (`layer.decode_spec`; for attention, where the backend's C decode and K/V write
+  would take the step: `decode_rows`).
 Anything else keeps its modules' path.
 """
 
@@ -18,8 +20,9 @@ import ctypes
 import torch
 from torch import nn
 
-from mm_engine.kernels import cpu_layer_decode, cpu_linear_attention, cpu_qgemm
-from mm_engine.kernels.cpu_layer_decode import MmDeltaLayer, MmLinear, MmMlp
+from mm_engine.kernels import cpu_decode, cpu_layer_decode, cpu_linear_attention, cpu_qgemm
+from mm_engine.kernels.cpu_layer_decode import MmAttnLayer, MmDeltaLayer, MmLinear, MmMlp
+from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import CpuOps
 from mm_engine.models.layers.mlp import MLP, MMAP_BYTES
 from mm_engine.models.layers.packed_linear import PanelLinear
@@ -34,12 +37,14 @@ def _float32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
 
 
-def layer_lib(ops, delta: bool = False) -> ctypes.CDLL | None:
+def layer_lib(ops, delta: bool = False, rotary: bool = False) -> ctypes.CDLL | None:
     """The library whose kernels a one-call form runs: the ops' own, where they use every kernel
-    the call strings together (`delta`: the linear-attention ones too)."""
+    the call strings together (`delta`: the linear-attention ones too; `rotary`: the rotary)."""
     if not isinstance(ops, CpuOps) or not ops.kernels.uses("layer_decode"):
         return None
-    return ops.lib if ops.c_norm and ops.c_silu and (ops.c_delta or not delta) else None
+    if delta and not ops.c_delta or rotary and not ops.c_rotary:
+        return None
+    return ops.lib if ops.c_norm and ops.c_silu else None
 
 
 def linear_spec(module: nn.Module, lib: ctypes.CDLL) -> MmLinear | None:
@@ -89,6 +94,54 @@ def delta_layer_spec(layer: nn.Module) -> MmDeltaLayer | None:
     )  # fmt: skip
 
 
+def attn_layer_spec(layer: nn.Module, mlp: MmMlp | None) -> MmAttnLayer | None:
+    """A decoder layer's full attention (models/layers/decoder.py `Attention`) with its MLP half
+    `mlp`, or None."""
+    from mm_engine.models.layers.decoder import Attention  # (decoder.py imports this module)
+
+    attn = layer.self_attn
+    if mlp is None or not isinstance(attn, Attention) or attn.tp is not None or attn.pairs is not None:
+        return None
+    lib = layer_lib(attn.ops, rotary=True)
+    qkv = None if lib is None or attn.qkv_proj is None else linear_spec(attn.qkv_proj, lib)
+    o = None if qkv is None else linear_spec(attn.o_proj, lib)
+    group, dim = attn.num_heads // attn.num_kv_heads, attn.head_dim
+    if o is None or group > cpu_decode.MAX_GROUP or dim > cpu_decode.MAX_DIM or dim % 2:
+        return None
+    norms = [layer.input_layernorm] + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
+    if not _float32(*(n.weight for n in norms)):
+        return None
+    q_norm, k_norm = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else (None, None)
+    return MmAttnLayer(
+        qkv, o, layer.input_layernorm.weight.data_ptr(), None if q_norm is None else q_norm.weight.data_ptr(),
+        None if k_norm is None else k_norm.weight.data_ptr(), layer.input_layernorm.eps,
+        0.0 if q_norm is None else q_norm.eps, attn.scale, layer.input_layernorm.weight.shape[0],
+        attn.num_heads, attn.num_kv_heads, dim, mlp,
+    )  # fmt: skip
+
+
+def attention_layer(
+    layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, backend,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A decoder layer's whole decode step in one call (`layer.decode_spec`): `(out, residual)` as
+    its modules return them; None (nothing done) where the step is not decodes only, in order,
+    through the backend's C decode and K/V write of the same library, or the rows are not the
+    float32 ones the call takes."""
+    spec, lib = layer.decode_spec, layer.mlp.ops.lib
+    rows_of = getattr(backend, "decode_rows", None)
+    if rows_of is None or getattr(backend, "lib", None) is not lib:
+        return None
+    rows = rows_of(meta, k_cache, v_cache)
+    m = x.shape[0]
+    if rows is None or rows.slots.shape[0] != m or m * 2 * layer.mlp.width * 4 >= MMAP_BYTES:
+        return None
+    cos, sin = rope
+    if cos.shape[-1] * 2 != spec.dim or not _float32(x, cos, sin, *(() if residual is None else (residual,))):
+        return None
+    return cpu_layer_decode.attn_layer_decode(lib, spec, x, residual, rope, k_cache, v_cache, rows)
+
+
 # GLM's norms around the MLP half: such a layer keeps its modules' path there.
 SANDWICH_NORMS = ("post_self_attn_layernorm", "post_mlp_layernorm")
 
@@ -108,8 +161,8 @@ def mlp_half(
 
 
 def prepare(language_model: nn.Module) -> int:
-    """Describe every layer part that can run in one call (`layer.mlp_spec`, and a linear-attention
-    layer's `layer.decode_spec`); returns how many layers have one."""
+    """Describe every layer part that can run in one call (`layer.mlp_spec`, and the whole layer's
+    `layer.decode_spec`); returns how many layers have one."""
     count = 0
     for layer in getattr(language_model, "layers", []):
         if not hasattr(layer, "mlp_spec"):
@@ -120,5 +173,7 @@ def prepare(language_model: nn.Module) -> int:
         sandwich = any(getattr(layer, n, None) is not None for n in SANDWICH_NORMS)
         if lib is not None and not sandwich:
             layer.mlp_spec = mlp_spec(layer.mlp, layer.post_attention_layernorm, lib)
+            if not getattr(layer, "linear", False):  # a decoder layer (a hybrid one's attention: gated)
+                layer.decode_spec = attn_layer_spec(layer, layer.mlp_spec)
         count += layer.mlp_spec is not None or getattr(layer, "decode_spec", None) is not None
     return count

@@ -1,9 +1,10 @@
 """A decoder layer's parts in one C call (kernels/cpu_layer_decode.c) compute what its modules
 compute, bit for bit: the same greedy tokens and log-probabilities as the engine without them, at
 float32 and through the low-bit panels, with several sequences decoding together and prefill
-chunks beside them, on each ISA variant this CPU runs. Qwen3.5's linear-attention layers decode
-whole in one call, every layer's post-attention half runs in one (Qwen3.5's full-attention layers,
-Qwen2.5-VL's plain ones); a part it cannot describe keeps its modules."""
+chunks beside them, on each ISA variant this CPU runs. Qwen3.5's linear-attention layers and the
+decoder layers of Qwen2.5-VL (q/k/v biases, M-RoPE) and Qwen3-VL (q/k norms, DeepStack) decode
+whole in one call, every layer's post-attention half runs in one (Qwen3.5's gated full-attention
+layers too); a part it cannot describe keeps its modules."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _run(path: str, family: str, variant: str, kernels: str, quantization: str |
     outs = llm.generate(prompts, params)
     layers = llm.engine.core.model.language_model.layers
     specs = {
-        "whole": [layer.decode_spec is not None for layer in layers if getattr(layer, "linear", False)],
+        "whole": [layer.decode_spec is not None for layer in layers if getattr(layer, "linear", True)],
         "mlp": [layer.mlp_spec is not None for layer in layers],
     }
     got = [
@@ -58,17 +59,17 @@ def _counting(monkeypatch, name: str, rows_arg: int) -> list[int]:
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen2_5_vl", "qwen3_vl"])
 def test_one_call_parts_equal_the_modules_bit_for_bit(
     vl_family, cpu_variant, family, quantization, monkeypatch
 ):
     path, _ = vl_family(family)
-    whole, halves = _counting(monkeypatch, "delta_layer_decode", 2), _counting(monkeypatch, "mlp_decode", 2)
+    name = "delta_layer_decode" if family == "qwen3_5" else "attn_layer_decode"
+    whole, halves = _counting(monkeypatch, name, 2), _counting(monkeypatch, "mlp_decode", 2)
     fused, specs = _run(path, family, cpu_variant, "all", quantization)
-    assert all(specs["mlp"]) and all(specs["whole"]) and specs["mlp"]
-    assert max(halves) > len(QUESTIONS)  # a prefill chunk's rows too
-    if family == "qwen3_5":
-        assert specs["whole"] and max(whole) == len(QUESTIONS)  # every sequence decoding in one call
+    assert all(specs["mlp"]) and all(specs["whole"]) and specs["mlp"] and specs["whole"]
+    assert max(whole) == len(QUESTIONS)  # every sequence decoding in one call
+    assert max(halves) > len(QUESTIONS)  # a prefill chunk's rows through the MLP half
     whole.clear(), halves.clear()
     modules, specs = _run(path, family, cpu_variant, WITHOUT, quantization)
     assert not any(specs["whole"] + specs["mlp"]) and not whole and not halves
