@@ -8,11 +8,16 @@
 #include <stdint.h>
 
 /* One linear layer as its kernel reads it: kind 0 float32 panels (cpu_gemm.c), else a kind of
- * cpu_qgemm.c's low-bit panels with their scales and zero points. `bias` padded to whole panels. */
+ * cpu_qgemm.c's low-bit panels with their scales and zero points, or with `a8` cpu_qgemm_a8.c's
+ * panels for int8 inputs (each group's column sums `wsum` for int8 weights; `static_scale` NULL
+ * for a scale per row). `bias` padded to whole panels. */
 typedef struct {
     int kind, group, n, k;
     const void *weights;
     const float *scales, *zeros, *bias;
+    int a8;
+    const int32_t *wsum;
+    const float *static_scale;
 } mm_linear;
 
 /* The post-attention half of a layer: the residual add and RMSNorm, gate and up in one matmul,
@@ -65,6 +70,9 @@ int gemm_panels(const float *x, int64_t ldx, const float *panels, const float *b
 int qgemm_panels(const float *x, int64_t ldx, const uint8_t *panels, int kind, const float *scales,
                  const float *zeros, int group, const float *bias, float *y, int64_t ldy, int M, int N, int K,
                  int threads);
+int qgemm_a8_panels(const float *x, int64_t ldx, const float *static_scale, const uint8_t *panels, int kind,
+                    const float *scales, const float *zeros, const int32_t *wsum, int group, const float *bias,
+                    float *y, int64_t ldy, int M, int N, int K, int threads);
 void rms_norm(const float *x, const float *delta, float *sum_out, const float *w, float *out, int64_t rows,
               int64_t cols, float eps, int threads);
 void silu_and_mul(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t cols, int threads);
@@ -86,6 +94,9 @@ int paged_decode(const float *q, const float *k_pool, const float *v_pool, const
 
 static int linear(const mm_linear *l, const float *x, float *y, int M, int threads) {
     if (l->kind == 0) return gemm_panels(x, l->k, l->weights, l->bias, y, l->n, M, l->n, l->k, threads);
+    if (l->a8) /* -2 (a kind this build does not take) cannot happen: the description checked it */
+        return qgemm_a8_panels(x, l->k, l->static_scale, l->weights, l->kind, l->scales, l->zeros, l->wsum,
+                               l->group, l->bias, y, l->n, M, l->n, l->k, threads) ? -1 : 0;
     return qgemm_panels(x, l->k, l->weights, l->kind, l->scales, l->zeros, l->group, l->bias, y, l->n, M, l->n,
                         l->k, threads);
 }

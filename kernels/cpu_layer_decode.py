@@ -16,11 +16,13 @@ _P, _F = ctypes.c_void_p, ctypes.c_float
 
 
 class MmLinear(ctypes.Structure):
-    """One linear layer: kind 0 float32 panels (cpu_gemm.py), else a cpu_qgemm.py KINDS value."""
+    """One linear layer: kind 0 float32 panels (cpu_gemm.py), else a cpu_qgemm.py KINDS value; with
+    `a8`, cpu_qgemm_a8.py's panels for int8 inputs."""
 
     _fields_ = [
         ("kind", ctypes.c_int), ("group", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
         ("weights", _P), ("scales", _P), ("zeros", _P), ("bias", _P),
+        ("a8", ctypes.c_int), ("wsum", _P), ("static_scale", _P),
     ]  # fmt: skip
 
 

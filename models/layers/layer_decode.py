@@ -1,7 +1,7 @@
 """The C descriptions of a decoder layer's parts for their one-call forms (kernels/cpu_layer_decode.py),
 built once after loading where the parts are what those calls run: float32 weights, the linears
 packed for the C GEMMs of the ops' own library (`PanelLinear`, or `QuantLinear` on its panels
-without an input order or input quantization), the fused input and gate/up projections, a SiLU
+or its int8-input panels, without an input order), the fused input and gate/up projections, a SiLU
 MLP, no tensor parallelism, and the ops using the C norms, SiLU-and-multiply and delta rule.
 
 - Every layer's post-attention half (the residual add and norm, then the MLP; `layer.mlp_spec`)
@@ -51,9 +51,15 @@ def linear_spec(module: nn.Module, lib: ctypes.CDLL) -> MmLinear | None:
     if isinstance(module, PanelLinear) and module.lib is lib:
         return MmLinear(0, 0, module.out_features, module.in_features, module.panels.data_ptr(), None, None,
                         _ptr(module.bias))  # fmt: skip
-    if not isinstance(module, QuantLinear) or module.lib is not lib or module.panels is None:
+    if not isinstance(module, QuantLinear) or module.lib is not lib:
         return None
-    if module.a8 is not None or module.act is not None or module.perm is not None or module.triton:
+    if module.perm is not None or module.triton:
+        return None
+    if module.a8 is not None:  # int8 inputs, rounded in the kernel as its forward has them
+        p = module.a8
+        return MmLinear(cpu_qgemm.KINDS[p.kind], p.group, p.n, p.k, p.weights.data_ptr(), _ptr(p.scales),
+                        _ptr(p.zeros), _ptr(module.bias), 1, _ptr(p.wsum), _ptr(module.a8_scale))  # fmt: skip
+    if module.panels is None or module.act is not None:
         return None
     p = module.panels
     return MmLinear(cpu_qgemm.KINDS[p.kind], p.group, p.n, p.k, p.weights.data_ptr(), _ptr(p.scales),

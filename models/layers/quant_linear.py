@@ -190,6 +190,7 @@ class QuantLinear(nn.Module):
         self.weight_q: QuantizedWeight | None = None
         self.panels: cpu_qgemm.QPanels | None = None
         self.a8: cpu_qgemm_a8.A8Panels | None = None
+        self.a8_scale: torch.Tensor | None = None
         self.bias = None if bias is None else bias.detach()
         self.perm, self.act, self.act_scale = weight.perm, weight.act, weight.act_scale
         # FP8 on both sides (compressed-tensors' FP8 schemes): the matrix units' own FP8 product.
@@ -210,6 +211,8 @@ class QuantLinear(nn.Module):
         kind, k, group = weight.kind, weight.q.shape[1], weight.group
         if weight.act == "int8" and cpu_qgemm_a8.available(lib, kind) and cpu_qgemm_a8.fits(kind, k, group):
             self.a8 = cpu_qgemm_a8.pack(*stored)  # int8 inputs: integer dot products
+            # a static input scale as the kernel reads it (None: one per row, from the row)
+            self.a8_scale = None if self.act_scale is None else self.act_scale.float().reshape(1).contiguous()
         else:
             self.panels = cpu_qgemm.pack(*stored)
         self.bias = cpu_gemm.padded_bias(self.bias, width)
@@ -223,7 +226,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.a8 is not None:  # rounds its input itself, as fake_quantize would
-            out = cpu_qgemm_a8.qgemm_a8(self.lib, self._rows(x), self.a8, self.act_scale, self.bias)
+            out = cpu_qgemm_a8.qgemm_a8(self.lib, self._rows(x), self.a8, self.a8_scale, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.fp8 and fp8_mm.takes(x):  # rounds its input itself, as fake_quantize would
             w = self.weight_q

@@ -1,6 +1,6 @@
 """A decoder layer's parts in one C call (kernels/cpu_layer_decode.c) compute what its modules
 compute, bit for bit: the same greedy tokens and log-probabilities as the engine without them, at
-float32 and through the low-bit panels, with several sequences decoding together and prefill
+float32 and through the low-bit panels (int8 inputs too), with several sequences decoding together and prefill
 chunks beside them, on each ISA variant this CPU runs. Qwen3.5's linear-attention layers and the
 decoder layers of Qwen2.5-VL (q/k/v biases, M-RoPE) and Qwen3-VL (q/k norms, DeepStack) decode
 whole in one call, every layer's post-attention half runs in one (Qwen3.5's gated full-attention
@@ -13,7 +13,7 @@ import pytest
 from helpers.families import assert_all_free, engine, family_prompt, mm
 from helpers.images import make_image
 from mm_engine import SamplingParams
-from mm_engine.kernels import cpu_layer_decode
+from mm_engine.kernels import cpu_build, cpu_layer_decode, cpu_qgemm_a8
 from mm_engine.kernels.cpu_kernels import KERNELS
 
 pytestmark = pytest.mark.slow
@@ -58,11 +58,14 @@ def _counting(monkeypatch, name: str, rows_arg: int) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "w8a8", "w4a8"])
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen2_5_vl", "qwen3_vl"])
 def test_one_call_parts_equal_the_modules_bit_for_bit(
     vl_family, cpu_variant, family, quantization, monkeypatch
 ):
+    kind = {"w8a8": "int8", "w4a8": "int4"}.get(quantization)
+    if kind is not None and not cpu_qgemm_a8.available(cpu_build.load(cpu_variant), kind):
+        pytest.skip(f"the {cpu_variant} build has no int8-input kernel for {kind}: the modules' fake path")
     path, _ = vl_family(family)
     name = "delta_layer_decode" if family == "qwen3_5" else "attn_layer_decode"
     whole, halves = _counting(monkeypatch, name, 2), _counting(monkeypatch, "mlp_decode", 2)
