@@ -24,11 +24,15 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self, config: uvicorn.Config, llm, shutdown_timeout: float,
         before_drain: Callable[[], Awaitable[None]] | None = None,
+        on_serving: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         """`before_drain`: what stops first (the batch runner: its requests are background work,
-        resumed on the next start, not running requests to wait for)."""
+        resumed on the next start, not running requests to wait for). `on_serving`: called once the
+        server listens with its signal handlers in place (before that, SIGTERM would kill it
+        outright instead of draining it), to say it is up."""
         super().__init__(config)
         self.before_drain = before_drain
+        self.on_serving = on_serving
         self.llm = llm
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -38,6 +42,11 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_serving is not None:
+            self.on_serving()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self._draining and self._loop is not None and not self.should_exit:

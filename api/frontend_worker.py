@@ -33,12 +33,16 @@ def main() -> int:
     index = job["index"]
     llm, settings, exit_ = make_llm_and_settings(args, [tuple(pair) for pair in job["cores"]], index)
     sock = socket.socket(fileno=job["fd"])
-    Path(job["ready_file"]).touch()
 
     def started(server) -> None:
         threading.Thread(target=_watch_parent, args=(server,), daemon=True).start()
 
-    return serve_on(args, settings, llm, exit_, sock, on_start=started)
+    # Ready only once serving: the supervisor then says the server is up and may pass on SIGTERM,
+    # which must find the draining handler, not the default one that kills the process.
+    def serving() -> None:
+        Path(job["ready_file"]).touch()
+
+    return serve_on(args, settings, llm, exit_, sock, on_start=started, on_serving=serving)
 
 
 if __name__ == "__main__":

@@ -210,8 +210,11 @@ def run_server(args: argparse.Namespace) -> int:
 
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"{banner} on http://{host}:{port}", flush=True)
-    return serve_on(args, settings, llm, exit_, sock)
+
+    def serving() -> None:
+        print(f"{banner} on http://{host}:{port}", flush=True)
+
+    return serve_on(args, settings, llm, exit_, sock, on_serving=serving)
 
 
 class _Exit:
@@ -266,9 +269,16 @@ def make_llm_and_settings(args: argparse.Namespace, attach: list | None = None, 
 
 
 def serve_on(
-    args: argparse.Namespace, settings: ServerSettings, llm, exit_: _Exit, sock: socket.socket, on_start=None
+    args: argparse.Namespace,
+    settings: ServerSettings,
+    llm,
+    exit_: _Exit,
+    sock: socket.socket,
+    on_start=None,
+    on_serving=None,
 ) -> int:
-    """Serve the app on a listening socket until shut down; the exit code."""
+    """Serve the app on a listening socket until shut down; the exit code. `on_start(server)` runs
+    before the server starts, `on_serving()` once it serves (DrainingServer)."""
     import uvicorn
 
     from mm_engine.api.app import create_app
@@ -285,7 +295,10 @@ def serve_on(
         lifespan="on",
     )
     batches = app.state.ctx.batches  # (stopping a runner that never started does nothing)
-    server = DrainingServer(uv_config, llm, settings.shutdown_timeout, before_drain=batches and batches.stop)
+    stop_first = batches and batches.stop
+    server = DrainingServer(
+        uv_config, llm, settings.shutdown_timeout, before_drain=stop_first, on_serving=on_serving
+    )
     exit_.server = server
     if on_start is not None:
         on_start(server)

@@ -156,6 +156,9 @@ class Supervisor:
             _signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + self.args.shutdown_timeout + 15
         codes = [_wait(proc, deadline) for proc in self.servers]
+        for j, code in enumerate(codes):
+            if code != 0:
+                print(f"mm-engine serve: API server {j} exited (code {code}) while draining", file=sys.stderr)
         return 0 if all(c == 0 for c in codes) else 1
 
     def _stop_all(self) -> None:

@@ -139,7 +139,8 @@ def test_sigterm_drains_and_stops_every_process(server):
         server.proc.send_signal(signal.SIGTERM)
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # finished, not cut
-    assert server.proc.wait(timeout=120) == 0
+    code = server.proc.wait(timeout=120)
+    assert code == 0, "".join(server.log[-60:])  # the supervisor's and servers' own words on why
     wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in kids), what="every child gone")
 
 
