@@ -132,9 +132,7 @@ class TorchBackend:
                     return out
             return self._masked(query, k_cache, v_cache, meta, scale, window)
         num_heads = query.shape[1]
-        plan = meta.derived.get(self.name)
-        if plan is None:
-            plan = meta.derived[self.name] = _Plan.of(meta, self.c_decode, self.c_prefill)
+        plan = self._plan(meta)
         batched = plan.batched
         if batched and plan.rows is None:  # every row is a decode, in order: no gather, no scatter
             return self._decode(query, k_cache, v_cache, plan, scale)
@@ -166,27 +164,31 @@ class TorchBackend:
         every row is one sequence's decode, in order, that this backend would write and attend with
         its C kernels (both on, every slot in the pool, float32 in the pool's own layout); else
         None, and the layer takes its modules' path. Worked out once a step."""
+        # Every layer's pool has one layout: the answer is worked out once per step and layout.
+        key = ("decode_rows", k_cache.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride())
+        if key not in meta.derived:
+            meta.derived[key] = self._decode_rows(meta, k_cache, v_cache)
+        return meta.derived[key]
+
+    def _plan(self, meta: AttentionMetadata) -> _Plan:
+        plan = meta.derived.get(self.name)
+        if plan is None:
+            plan = meta.derived[self.name] = _Plan.of(meta, self.c_decode, self.c_prefill)
+        return plan
+
+    def _decode_rows(self, meta: AttentionMetadata, k_cache, v_cache) -> DecodeRows | None:
         if not (self.c_decode and self.c_write) or meta.bidirectional is not None:
             return None
         if not (takes(k_cache, v_cache) and k_cache.transpose(1, 2).is_contiguous()):
             return None
         if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
             return None
-        key = ("decode_rows", k_cache.shape[:2])
-        if key not in meta.derived:
-            meta.derived[key] = self._decode_rows(meta, k_cache.shape[0] * k_cache.shape[1])
-        return meta.derived[key]
-
-    def _decode_rows(self, meta: AttentionMetadata, pool_slots: int) -> DecodeRows | None:
-        plan = meta.derived.get(self.name)
-        if plan is None:
-            plan = meta.derived[self.name] = _Plan.of(meta, self.c_decode, self.c_prefill)
-        slots = meta.slot_mapping
+        plan, slots = self._plan(meta), meta.slot_mapping
         if plan.others or plan.rows is not None or not plan.batched:
             return None
         if slots.dtype != torch.int64 or slots.device.type != "cpu" or not slots.is_contiguous():
             return None
-        if int(slots.min()) < 0 or int(slots.max()) >= pool_slots:
+        if int(slots.min()) < 0 or int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
             return None
         tables = plan.tables.to(torch.int32).contiguous()
         return DecodeRows(slots, tables, plan.lens.to(torch.int32).contiguous(), plan.max_len)

@@ -65,7 +65,8 @@ def test_one_call_parts_equal_the_modules_bit_for_bit(
 ):
     kind = {"w8a8": "int8", "w4a8": "int4"}.get(quantization)
     if kind is not None and not cpu_qgemm_a8.available(cpu_build.load(cpu_variant), kind):
-        pytest.skip(f"the {cpu_variant} build has no int8-input kernel for {kind}: the modules' fake path")
+        # (such layers keep their fake-quantized modules: test_a_part_it_cannot_describe_keeps_its_modules)
+        pytest.skip(f"the {cpu_variant} build has no int8-input kernel for {kind} weights: no one-call form")
     path, _ = vl_family(family)
     name = "delta_layer_decode" if family == "qwen3_5" else "attn_layer_decode"
     whole, halves = _counting(monkeypatch, name, 2), _counting(monkeypatch, "mlp_decode", 2)
