@@ -110,9 +110,12 @@ class EngineCore(OverlappedSteps):
         )
         swap = config.preemption_mode == "swap"  # (under TP each worker repeats the swaps)
         self.swap = HostSwap(self.kv, config.swap_space_bytes, self.parallel, self.states) if swap else None
+        # (Not under TP: there the ranks encode together, or rank 0 alone for its peers.)
+        sliced = config.sliced_encoding and self.parallel is None and self.model.tower_depth > 0
         self.scheduler = build_scheduler(
             config, self.blocks, self.encoder_cache, self.encoder_budget, self.swap, self.states,
             whole_images=self.model.bidirectional_images, device_type=self.device.type,
+            sliced_encoding=sliced,
         )  # fmt: skip
         tp = self.parallel
         shared_tower = tp is not None and config.mm_encoder_tp_mode == "data"
@@ -326,11 +329,13 @@ class EngineCore(OverlappedSteps):
         return core_stats(self)
 
     def close(self) -> None:
-        """Wait for a launched step and stop the launcher's worker (if it has one)."""
+        """Wait for a launched step and stop the launcher's worker (if it has one) and the runner's
+        sliced encodes."""
         if self._inflight is not None:
             self._inflight.wait()
             self._inflight = None
         if self.launcher is not None:
             self.launcher.close()
+        self.runner.close()
         if self.parallel is not None:  # the workers stop with us
             self.parallel.close()

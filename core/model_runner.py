@@ -32,6 +32,7 @@ from mm_engine.pools.state_pool import StatePool
 from mm_engine.request import ImageSpan, Request
 from mm_engine.sched.scheduler import ScheduledBatch
 from mm_engine.vision.encoder_cache import EncoderCache
+from mm_engine.vision.sliced_encode import SlicedEncodes
 
 PLACEHOLDER = -1  # a sampled token not read back to the host yet (overlapped scheduling)
 
@@ -79,6 +80,7 @@ class ModelRunner:
         self._held: dict[str, dict[int, torch.Tensor]] = {}
         self.peers = peers
         self.encoder = encoder or model.encode
+        self.slices = SlicedEncodes(self.encoder, model.tower_depth)  # images encoded a share a step
         self.threads = threads
         self.states = states
 
@@ -100,6 +102,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _prepare(self, batch: ScheduledBatch, pending: dict[str, int] | None) -> StepInputs:
         items, copies = batch.items, batch.copies
+        self._advance_slices(batch.encode_slices)
         self._encode_images(batch.new_images)
         rows = StepRows()
         for k, (req, n) in enumerate(items):
@@ -311,21 +314,46 @@ class ModelRunner:
         if not todo:
             return
         firsts = [users[0] for users in todo.values()]
-        feats = self.encoder([req.images[j] for req, j in firsts])
-        for (key, users), f in zip(todo.items(), feats, strict=True):
+        # One begun a share at a time is finished; the rest are encoded together.
+        begun = {key: self.slices.finish(key) for key in todo if key in self.slices}
+        whole = [(req, j) for (req, j), key in zip(firsts, todo, strict=True) if key not in begun]
+        encoded = iter(self.encoder([req.images[j] for req, j in whole]) if whole else [])
+        for key, users in todo.items():
+            f = begun[key] if key in begun else next(encoded)
             self.encoder_cache.put(key, f)
             for req, j in users:
                 self._held.setdefault(req.request_id, {})[j] = f
-        self.num_encoded_images += len(todo)
         for req, j in firsts:
+            self._count_encoded(req.images[j])
+
+    def _advance_slices(self, slices: list[tuple[Request, int, int]]) -> None:
+        """Run each image's share of its tower (the scheduler's `encode_slices`); an image done
+        goes into the encoder cache, where the scheduler finds it for its request's next chunk."""
+        for req, j, tokens in slices:
             span = req.images[j]
-            counts = self.encoded["video" if span.video else "image"]
-            counts[0] += 1
-            counts[1] += span.num_embeds
+            key = span.content_hash
+            if self.encoder_cache.contains(key):  # done already (a step scheduled before it was)
+                continue
+            feats = self.slices.advance(span, tokens, req.request_id)
+            if feats is not None:
+                self.encoder_cache.put(key, feats)
+                self._count_encoded(span)
+
+    def _count_encoded(self, span: ImageSpan) -> None:
+        self.num_encoded_images += 1
+        counts = self.encoded["video" if span.video else "image"]
+        counts[0] += 1
+        counts[1] += span.num_embeds
 
     def release(self, request_id: str) -> None:
-        """Forget a request's image features (it was preempted, or it finished)."""
+        """Forget a request's image features (it was preempted, or it finished), and stop the
+        sliced encodes it began."""
         self._held.pop(request_id, None)
+        self.slices.release(request_id)
+
+    def close(self) -> None:
+        """Stop every sliced encode (the engine is shutting down)."""
+        self.slices.close()
 
 
 def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:

@@ -15,7 +15,10 @@ from mm_engine.vision.encoder_cache import EncoderCache
 def build_scheduler(
     config: EngineConfig, blocks: BlockManager, encoder_cache: EncoderCache, encoder_budget: int,
     swap: HostSwap | None, states: StatePool | None, *, whole_images: bool, device_type: str,
+    sliced_encoding: bool = False,
 ) -> Scheduler:  # fmt: skip
+    """`sliced_encoding`: whether the runner can encode an image a share at a time (the setting,
+    and a tower it can pause)."""
     policy = make_policy(
         config.scheduling_policy,
         config.image_priority_boost,
@@ -39,4 +42,5 @@ def build_scheduler(
         step_time_factor=config.step_time_factor,
         background_step_tokens=config.background_step_tokens,
         background_prefill_tokens=config.background_prefill_tokens,
+        sliced_encoding=sliced_encoding,
     )

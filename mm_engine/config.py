@@ -103,6 +103,10 @@ class EngineConfig:
     # (2.0: the streams' next token waits at most about twice as long as with no prefill). Both
     # bounds apply where both are set. None: not bounded in time.
     step_time_factor: float | None = None
+    # An image bigger than what such a bounded step may encode is encoded a share of its tower's
+    # layers a step (vision/sliced_encode.py) instead of whole in one step: one big image then
+    # delays the streams' next token by a share of its tower, not all of it. Off: whole, as before.
+    sliced_encoding: bool = True
     swap_space_bytes: int = 4 * 1024**3
     enable_prefix_caching: bool = True
     encoder_cache_bytes: int = 256 * 1024**2

@@ -123,6 +123,17 @@ class MultimodalModel(nn.Module):
         the embeddings that replace its placeholder tokens, then the DeepStack features (if any)."""
         raise NotImplementedError
 
+    @property
+    def tower_depth(self) -> int:
+        """How many layers one encode passes (`layer_boundary` calls: a sliced encode's unit): the
+        longest list of like blocks outside the language model, which is the tower's; 0 if none."""
+        lists = (
+            m
+            for name, m in self.named_modules()
+            if isinstance(m, nn.ModuleList) and not name.startswith("language_model")
+        )
+        return max((len(m) for m in lists if len({type(b) for b in m}) == 1), default=0)
+
     def positions(self, token_ids: list[int], images: list[ImageSpan]) -> Positions | None:
         """Called once when a request is added; None: plain 1-D positions."""
         return None

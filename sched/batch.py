@@ -19,6 +19,10 @@ class ScheduledBatch:
     # chunk ends inside is in neither list the next step: the runner holds it meanwhile.
     new_images: list[tuple[Request, int]] = field(default_factory=list)  # (request, image index)
     passed_images: list[tuple[str, int]] = field(default_factory=list)  # (request id, image index)
+    # Images too big for this step's encoder budget: a share of their tower now, worth this many of
+    # the budget's image tokens (vision/sliced_encode.py). A chunk stops before such an image until
+    # its features are in the encoder cache.
+    encode_slices: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, image, tokens)
     # Hybrid models: snapshot rows copied into slots first (prefix reuse), and per request the
     # points of its chunk whose state the forward keeps: (tokens into the chunk, snapshot row).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -40,6 +44,7 @@ class ScheduledBatch:
         """Leave out the requests that ended meanwhile (a step read before this one launches)."""
         self.items = [(req, n) for req, n in self.items if not req.is_finished]
         self.new_images = [(req, j) for req, j in self.new_images if not req.is_finished]
+        self.encode_slices = [s for s in self.encode_slices if not s[0].is_finished]
         live = {req.request_id for req, _ in self.items}
         self.passed_images = [(rid, j) for rid, j in self.passed_images if rid in live]
         self.state_snapshots = {rid: v for rid, v in self.state_snapshots.items() if rid in live}

@@ -1,5 +1,6 @@
 """Where a request's next chunk ends: at the step's token budget, before an image the encoder
-budget cannot take, and, for a model whose image tokens attend to each other in both directions
+budget cannot take (or, with `sliced_encoding`, before an image whose tower is being run a share a
+step, until it is done), and, for a model whose image tokens attend to each other in both directions
 (Gemma 3, `whole_images`), never inside an image's run of embeddings (all of an image's keys must
 be written before any of its queries runs)."""
 
@@ -33,8 +34,14 @@ def next_chunk(
         left = p.encoder_left
         if p.encode_weight > 0.0:  # a time-bounded step: encoding spends the time prefill would
             left = min(left, int(max(0, p.budget - (span.offset - start)) / p.encode_weight))
-        if cost + span.num_embeds > left and not (p.one_image_free and cost == 0):
-            return max(0, span.offset - start), cost  # stop before the image that does not fit
+        if cost + span.num_embeds > left:
+            if not (p.one_image_free and cost == 0):
+                return max(0, span.offset - start), cost  # stop before the image that does not fit
+            if p.slicing:  # too big for this step: a share of its tower now, the chunk waits for it
+                # (Not in a step of background work alone that prefills already: one kind of work.)
+                if span.content_hash not in p.sliced and not (p.encode_alone and p.prefilled):
+                    p.slice_image(req, j, left)
+                return max(0, min(span.offset - start, p.budget)), cost
         if p.encode_alone and not whole_images:  # background: encoding is a step's prompt work
             if p.prefilled:
                 return max(0, span.offset - start), cost  # this step prefills: the image waits

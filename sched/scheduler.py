@@ -7,7 +7,9 @@ one token of the budget is set aside for every running request that is decoding,
 prefills (a new image request, image-first) never take a running stream's next token; only
 preemption (below) can. With `decode_step_prefill_tokens`, a step that runs decodes adds at most
 that many prefill tokens and encodes at most that many image tokens (or one image, whatever its
-size), so that how long the running streams wait for their next token stays bounded. With
+size), so that how long the running streams wait for their next token stays bounded; with
+`sliced_encoding`, an image bigger than that is encoded a share of its tower layers a step, and its
+request's chunk waits before it until it is done. With
 `step_time_factor` the bound is in time: such a step adds the prefill and encoder work that the
 measured step costs (step_costs.py) say keeps it within that factor of its decodes alone (at least
 a block of prefill, or one image, so that waiting requests always move).
@@ -72,6 +74,7 @@ class Scheduler:
         step_time_factor: float | None = None,
         background_step_tokens: int = 0,
         background_prefill_tokens: int = 256,
+        sliced_encoding: bool = False,
     ) -> None:
         """`states`: a hybrid model's recurrent-state pool; every running request holds a slot,
         so at most `min(max_num_seqs, slots)` run at once."""
@@ -90,6 +93,7 @@ class Scheduler:
         self.step_time_factor = step_time_factor
         self.background_step_tokens = background_step_tokens
         self.background_prefill_tokens = background_prefill_tokens
+        self.sliced_encoding = sliced_encoding
         self.costs = StepCosts()  # learned from `observe_step`; used with `step_time_factor`
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []  # in rank order at the start of each step
@@ -112,7 +116,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
-        p = StepPass(batch, self.max_num_batched_tokens, self.encoder_budget)
+        p = StepPass(batch, self.max_num_batched_tokens, self.encoder_budget, slicing=self.sliced_encoding)
         ranks = self._ranks
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         running = list(self.running)

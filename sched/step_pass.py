@@ -3,6 +3,7 @@ as it grows, the token and encoder budgets left, and what was scheduled, preempt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,10 @@ class StepPass:
     # enter_background); `prefilled` counts the prompt tokens taken so far this step.
     encode_alone: bool = False
     prefilled: int = 0
+    # Whether an image too big for what is left may be encoded a share at a time (sliced_encoding),
+    # and the images given a share this step (by content hash: one share a step, whoever asks).
+    slicing: bool = False
+    sliced: set[str] = field(default_factory=set)
 
     def release(self, request_id: str) -> bool:
         """Give a decode's set-aside token back to the budget, for it to take now."""
@@ -39,6 +44,18 @@ class StepPass:
             self.budget += 1
             return True
         return False
+
+    def slice_image(self, req: Request, j: int, tokens: int) -> None:
+        """Encode a share of image `j`'s tower this step, charged as `tokens` image tokens (at least
+        one layer's worth is run whatever `tokens` says): it takes the place of the one image a
+        capped step may encode whole."""
+        tokens = max(1, tokens)
+        self.sliced.add(req.images[j].content_hash)
+        self.batch.encode_slices.append((req, j, tokens))
+        self.batch.encoder_tokens += tokens
+        self.encoder_left -= tokens
+        self.budget = 0 if self.encode_alone else max(0, self.budget - math.ceil(tokens * self.encode_weight))
+        self.one_image_free = False
 
     def set_aside(self, requests: Iterable[Request]) -> None:
         """One token of the budget for each of `requests` that is decoding, while the budget lasts."""

@@ -25,6 +25,7 @@ from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm, rotate_part
 from mm_engine.models.layers.gemma4 import rms
 from mm_engine.models.layers.vision_layout import rotary_tables
+from mm_engine.vision.sliced_encode import layer_boundary
 
 F32 = torch.float32
 
@@ -136,6 +137,7 @@ class Gemma4VisionTower(nn.Module):
         cos, sin = (t.to(x.device, x.dtype) for t in tables)
         segments = Segments.of([h * w for h, w in grids])
         for block in self.encoder.layers:
+            layer_boundary()
             x = block(x, cos, sin, segments)
         return self.pool(x, grids)
 

@@ -28,6 +28,7 @@ from mm_engine.models.layers.mlp import MLP
 from mm_engine.models.layers.qwen_vision import TowerOutput
 from mm_engine.models.layers.qwen_vision_parts import VisionAttention
 from mm_engine.models.layers.vision_layout import rotary_tables, tower_layout
+from mm_engine.vision.sliced_encode import layer_boundary
 
 
 class GlmVisionBlock(nn.Module):
@@ -114,6 +115,7 @@ class GlmVisionTower(nn.Module):
         cos, sin = (t.to(x.device, x.dtype) for t in tables)
         h = self.blocks[0].norm1(x)
         for i, block in enumerate(self.blocks):
+            layer_boundary()
             x, h = block.norm2.add_and_norm(x, block.attn(h, cos, sin, layout.frames))
             after = self.blocks[i + 1].norm1 if i + 1 < len(self.blocks) else self.post_layernorm
             x, h = after.add_and_norm(x, block.mlp(h))

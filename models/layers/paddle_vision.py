@@ -27,6 +27,7 @@ from mm_engine.models.layers.mlp import FeedForward
 from mm_engine.models.layers.qwen_vision import TowerOutput
 from mm_engine.models.layers.qwen_vision_parts import LayerNorm, VisionAttention
 from mm_engine.models.layers.vision_layout import rotary_tables
+from mm_engine.vision.sliced_encode import layer_boundary
 
 
 class PaddleVisionBlock(nn.Module):
@@ -117,6 +118,7 @@ class PaddleVisionTower(nn.Module):
         cos, sin = (t.to(x.device, x.dtype) for t in tables)
         segments = Segments.of([h * w for t, h, w in grids for _ in range(t)])
         for block in self.encoder.layers:
+            layer_boundary()
             x = block(x, cos, sin, segments)
         return TowerOutput(self.projector(self.post_layernorm(x), grids))
 

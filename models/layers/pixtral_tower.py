@@ -24,6 +24,7 @@ from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
 from mm_engine.models.layers.mlp import MLP
 from mm_engine.models.layers.qwen_vision_parts import VisionAttention
+from mm_engine.vision.sliced_encode import layer_boundary
 
 
 def pixtral_rotary(grids: list[tuple[int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
@@ -91,6 +92,7 @@ class PixtralTower(nn.Module):
         segments = Segments.of([h * w for h, w in grids])
         states = {0: x}
         for i, block in enumerate(self.layers, start=1):
+            layer_boundary()
             x = x + block.attention(block.attention_norm(x), cos, sin, segments)
             x = x + block.feed_forward(block.ffn_norm(x))
             states[i] = x

@@ -30,6 +30,7 @@ from torch import nn
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.qwen_vision_parts import PatchMerger, Qwen3Merger, VisionBlock
 from mm_engine.models.layers.vision_layout import TowerLayout, rotary_tables, tower_layout
+from mm_engine.vision.sliced_encode import layer_boundary
 
 PATCH_WEIGHT = "patch_embed.proj.weight"
 # The vision configs' model types, by the tower they describe.
@@ -111,6 +112,7 @@ class QwenVisionTower(nn.Module):
         h = self.blocks[0].norm1(x)
         deepstack = []
         for i, block in enumerate(self.blocks):
+            layer_boundary()
             segments = layout.windows if i in self.windowed else layout.frames
             x, h = block.norm2.add_and_norm(x, block.attn(h, cos, sin, segments))
             after = self.blocks[i + 1].norm1 if i + 1 < len(self.blocks) else self.merger.first_norm

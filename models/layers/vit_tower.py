@@ -37,6 +37,7 @@ from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
 from mm_engine.models.layers.mlp import FeedForward
+from mm_engine.vision.sliced_encode import layer_boundary
 
 KINDS = {
     "clip_vision_model": "clip",
@@ -192,6 +193,7 @@ class VitTower(nn.Module):
         x = x.reshape(n * tokens, dim)
         states = {0: x}
         for i, block in enumerate(self.layers, start=1):
+            layer_boundary()
             x = block(x, segments)
             states[i] = x
         if self.post_layernorm is not None:

@@ -44,11 +44,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         cap=st.sampled_from([None, 1, 3, 8]),
         snapshots=st.sampled_from([None, 0, 1, 3, 8]),
         factor=st.sampled_from([None, 1.5, 3.0]),
+        sliced=st.booleans(),
     )
-    def setup(self, mode, n_text, n_image, max_seqs, budget, cap, snapshots, factor):
+    def setup(self, mode, n_text, n_image, max_seqs, budget, cap, snapshots, factor, sliced=False):
         """`snapshots`: None for a plain model; else a hybrid one with a state slot per seat and
         that many snapshot rows (0: no prefix reuse). `factor`: steps bounded in time, each step
-        reported to take a made-up linear time."""
+        reported to take a made-up linear time. `sliced`: an image too big for a capped step is
+        encoded a share a step (the fake runner counts the shares)."""
         spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
         self.kv = KVCache(spec, n_text + n_image, torch.device("cpu"))
         pools = BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image)
@@ -80,7 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             decode_step_prefill_tokens=cap,
             states=self.states,
             step_time_factor=factor,
+            sliced_encoding=sliced,
         )
+        self.slices: dict[str, tuple[str, int]] = {}  # image hash -> (owner, image tokens encoded)
         self.cap = cap
         self.budget = budget
         self.now = 0.0
@@ -136,9 +140,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         decodes = [r for r, n in batch.items if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens]
         assert batch.num_decodes == len(decodes)
         charged = [req.images[j] for req, j in batch.new_images]  # (the fake runner fills the cache later)
+        shares = [(req.images[j].content_hash, tokens) for req, j, tokens in batch.encode_slices]
+        assert len({h for h, _ in shares}) == len(shares), "an image given two shares in one step"
+        assert not any(self.encoder_cache.contains(h) for h, _ in shares), "a share of an encoded image"
         assert batch.encoder_tokens == sum(
             s.num_embeds for s in charged if not self.encoder_cache.contains(s.content_hash)
-        )
+        ) + sum(t for _, t in shares)
         if len(decoding) <= self.budget:  # decodes first: each gets its token unless preempted
             given = {r.request_id for r, _ in batch.items} | {r.request_id for r in batch.preempted}
             assert set(decoding) <= given, "a running decode got no token"
@@ -153,6 +160,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     "a starved request was passed over"
                 )
         self._check_image_features(batch)
+        self._fake_slices(batch)
         if batch.copies:  # the runner copies partial prompt blocks before the forward writes
             src, dst = (torch.tensor(x) for x in zip(*batch.copies, strict=True))
             self.kv.copy_blocks(src, dst)
@@ -176,14 +184,31 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _finish(self, rid: str) -> None:
         self.sched.finish(self.live.pop(rid))
-        self.held = {(r, j) for r, j in self.held if r != rid}  # the core releases the runner's
+        self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        """What the core has the runner drop for a request that ended or was preempted."""
+        self.held = {(r, j) for r, j in self.held if r != rid}
+        self.slices = {h: v for h, v in self.slices.items() if v[0] != rid}
+
+    def _fake_slices(self, batch) -> None:
+        """The runner's sliced encodes: an image's shares add up, and once they cover it, its
+        features go into the encoder cache (from which the scheduler lets its chunk pass it)."""
+        for req, j, tokens in batch.encode_slices:
+            span = req.images[j]
+            owner, done = self.slices.get(span.content_hash, (req.request_id, 0))
+            if done + tokens >= span.num_embeds:
+                self.slices.pop(span.content_hash, None)
+                self.encoder_cache.put(span.content_hash, torch.zeros(IMG_TOKENS))
+            else:
+                self.slices[span.content_hash] = (owner, done + tokens)
 
     def _check_image_features(self, batch) -> None:
         """The runner stores features only as the batches say: every image a chunk reaches must be
         new in this batch or held since an earlier one, and what is held is at most the one image
         each request's last chunk ended inside."""
         for req in batch.preempted:  # the core releases a preempted request's features
-            self.held = {(r, j) for r, j in self.held if r != req.request_id}
+            self._release(req.request_id)
         new = {(req.request_id, j) for req, j in batch.new_images}
         assert not new & self.held, "features made again for an image the runner holds"
         for req, n in batch.items:
@@ -215,6 +240,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             touched = span.offset < end and start < span.offset + span.length
             if touched and self.encoder_cache.get(span.content_hash) is None:
                 self.encoder_cache.put(span.content_hash, torch.zeros(IMG_TOKENS))
+                self.slices.pop(span.content_hash, None)  # a sliced encode begun is finished
         assert len(req.block_table) * BS >= end, "computing tokens that have no slot"
         for p in range(start, end):
             self.kv.k[0][req.block_table[p // BS], p % BS, 0] = torch.tensor(_slot_value(req, p))

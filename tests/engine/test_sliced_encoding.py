@@ -1,0 +1,165 @@
+"""An image bigger than what a capped step may encode is encoded a share of its tower a step
+(`sliced_encoding`, vision/sliced_encode.py): for every family the features equal a whole encode's
+and each share runs the layers asked; in the engine, running streams get their token in every step
+meanwhile, the image's request waits before the image until it is done, tokens equal those with
+slicing off, and an abort stops the encode's thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from helpers.families import ALL_FAMILIES, assert_all_free, engine, family_prompt, mm
+from helpers.images import make_image
+from mm_engine import SamplingParams
+from mm_engine.vision.sliced_encode import SlicedEncode, layer_boundary
+
+
+def _threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "mm-engine-sliced-encode"}
+
+
+def _fake_encode(depth: int, log: list, fail_at: int | None = None):
+    def encode(spans):
+        x = torch.zeros(2)
+        log.append("before")
+        for i in range(depth):
+            layer_boundary()
+            if i == fail_at:
+                raise ValueError("layer failed")
+            log.append(i)
+            x += 1
+        log.append("after")
+        return [x]
+
+    return encode
+
+
+def test_each_advance_runs_the_layers_asked_then_pauses():
+    log: list = []
+    enc = SlicedEncode(_fake_encode(5, log), None, 1, "r")
+    assert log == []  # nothing runs before the first advance
+    assert enc.advance(2) is None and log == ["before", 0, 1]
+    assert enc.advance(1) is None and log[-1] == 2
+    out = enc.advance(9)  # more than is left: it finishes
+    assert log[-3:] == [3, 4, "after"] and out.tolist() == [5.0, 5.0] and enc.layers_done == 5
+
+
+def test_an_error_in_the_encode_is_raised_by_advance_and_cancel_ends_the_thread():
+    enc = SlicedEncode(_fake_encode(4, [], fail_at=1), None, 1, "r")
+    assert enc.advance(1) is None
+    with pytest.raises(ValueError, match="layer failed"):
+        enc.advance(1)
+    paused = SlicedEncode(_fake_encode(4, []), None, 1, "r")
+    paused.advance(1)
+    paused.cancel()
+    never = SlicedEncode(_fake_encode(4, []), None, 1, "r")
+    never.cancel()  # before it ran anything
+    assert not _threads()
+
+
+def test_layer_boundary_outside_a_sliced_encode_does_nothing():
+    log: list = []
+    assert _fake_encode(3, log)(None)[0].tolist() == [3.0, 3.0] and log[-1] == "after"
+
+
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
+def family(request, vl_family):
+    return request.param, *vl_family(request.param)
+
+
+def test_every_family_sliced_equals_whole(family):
+    name, path, _ = family
+    llm = engine(path, "torch")
+    model = llm.engine.core.model
+    prompt = mm(family_prompt(name, "what is this", 1), [make_image(3, (90, 70))])
+    _, _, spans = llm.engine.inputs.process(prompt)
+    with torch.inference_mode():
+        whole = model.encode(spans)[0]
+    depth = model.tower_depth
+    assert depth > 0
+    enc = SlicedEncode(model.encode, spans[0], torch.get_num_threads(), "r")
+    shares = 1
+    while (feats := enc.advance(1)) is None:
+        shares += 1
+    assert shares == depth and enc.layers_done == depth  # one layer a share, every layer passed
+    assert torch.equal(feats, whole)
+
+
+def _record_batches(llm) -> list:
+    batches = []
+    sched = llm.engine.core.scheduler
+    schedule = sched.schedule
+
+    def recording(now):
+        batch = schedule(now)
+        batches.append(
+            (
+                {r.request_id: n for r, n in batch.items},
+                [(r.request_id, tokens) for r, _, tokens in batch.encode_slices],
+                batch.encoder_tokens,
+            )
+        )
+        return batch
+
+    sched.schedule = recording
+    return batches
+
+
+def _stream_then_image(llm, max_tokens: int = 24) -> tuple[dict[str, list[int]], str, str]:
+    """A text request decoding, then an image request arriving: each one's tokens."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    text = eng.add_request("USER: tell me a long story ASSISTANT:", params)
+    out: dict[str, list[int]] = {}
+    for _ in range(3):
+        for o in eng.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+    image = eng.add_request(mm("USER: <image> what is this ASSISTANT:", [make_image(5, (64, 48))]), params)
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+    return out, text, image
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_big_image_beside_a_stream_is_sliced_and_tokens_are_unchanged(clip_llama, backend):
+    # A cap of 8 prefill tokens beside decodes: the image (more than 8 embeddings) is sliced.
+    base = dict(decode_step_prefill_tokens=8, max_num_batched_tokens=64)
+    sliced = engine(clip_llama, backend, **base)
+    batches = _record_batches(sliced)
+    got, text, image = _stream_then_image(sliced)
+    whole = engine(clip_llama, backend, sliced_encoding=False, **base)
+    want, *_ = _stream_then_image(whole)
+    assert got[text] == want[text] and got[image] == want[image]
+    depth = sliced.engine.core.model.tower_depth
+    slice_steps = [b for b in batches if b[1]]
+    assert len(slice_steps) >= 2 and all(len(b[1]) == 1 and b[1][0][0] == image for b in slice_steps)
+    for took, slices, charged in slice_steps:
+        assert took.get(text) == 1  # the stream got its token in every step of the encode
+        assert took.get(image, 0) <= 8  # the image's request went at most up to its image
+        assert charged == slices[0][1] <= 8
+    assert len(slice_steps) <= depth
+    assert sliced.engine.core.runner.num_encoded_images == 1
+    assert not len(sliced.engine.core.runner.slices) and not _threads()
+    assert_all_free(sliced)
+
+
+def test_an_abort_mid_encode_stops_its_thread(clip_llama):
+    llm = engine(clip_llama, "cpu", decode_step_prefill_tokens=8, max_num_batched_tokens=64)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    eng.add_request("USER: tell me a long story ASSISTANT:", params)
+    for _ in range(3):
+        eng.step()
+    image = eng.add_request(mm("USER: <image> what is this ASSISTANT:", [make_image(6, (64, 48))]), params)
+    eng.step()  # the first of its tower's two layers
+    assert _threads() and len(eng.core.runner.slices)  # begun, not done
+    eng.abort(image)
+    while eng.has_unfinished():
+        eng.step()
+    assert not _threads() and not len(eng.core.runner.slices)
+    assert eng.core.runner.num_encoded_images == 0
+    assert_all_free(llm)
