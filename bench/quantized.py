@@ -11,7 +11,9 @@ Each setting is an engine of its own on the same checkpoint (the cpu backend, it
 int8 per token as well (the integer kernel: AVX-512 VNNI, or AVX2 for int4). All engines are
 built first and the decode steps are timed in `--rounds` rounds over every setting in turn (the
 median of the rounds' medians), so that a drift in the machine's memory bandwidth (on a shared
-VM, 30% between runs minutes apart) falls on every setting alike.
+VM, 30% between runs minutes apart) falls on every setting alike; the caption and chat jobs run in
+the same rounds (new inputs each round, settings in turns, the order reversed every other round;
+the median of the rounds).
 Bytes a decode step reads: every linear layer's stored weight (the quantized panels and their
 scales, the LM head's float32 panels) plus the KV of the batch, over the read bandwidth measured
 in the same run. Agreement: over the caption and chat outputs, the share of greedy tokens equal to
@@ -72,13 +74,16 @@ def text_chat(path: str, question: str) -> str:
     )
 
 
-def jobs(llm: LLM, path: str, n: int, max_tokens: int) -> dict:
-    """A caption job (n images) and a text chat job (n questions), greedy; seconds and tokens."""
+def jobs(llm: LLM, path: str, n: int, max_tokens: int, round_: int = 0) -> dict:
+    """A caption job (n images) and a text chat job (n questions), greedy; seconds and tokens.
+    Each round has inputs of its own (new pictures, the questions numbered), so that a later
+    round finds nothing in the encoder and prefix caches."""
     caption_prompt, _ = vlm.prompts_for(path)
     caption = [
-        {"prompt": caption_prompt, "multi_modal_data": {"image": img}} for img in vlm.images(n, seed=0)
+        {"prompt": caption_prompt, "multi_modal_data": {"image": img}} for img in vlm.images(n, seed=round_)
     ]
-    chat = [text_chat(path, q) for q in (vlm.CHAT_QUESTIONS * n)[:n]]
+    mark = f"Round {round_}. " if round_ else ""
+    chat = [text_chat(path, mark + q) for q in (vlm.CHAT_QUESTIONS * n)[:n]]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = {}
     for name, batch in (("caption", caption), ("chat", chat)):
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     floors = {s: engine(str(twin), s, seats, 256 * 1024**2) for s in settings} if twin else {}
     medians: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in settings}
     floor_medians: dict[str, dict[int, list[float]]] = {s: {b: [] for b in batches} for s in floors}
-    for _ in range(args.rounds):
+    done: dict[str, list[dict]] = {s: [] for s in settings}  # the jobs, per setting and round
+    for r in range(args.rounds):
         for setting in settings:
             for b in batches:
                 times = step_seconds(engines[setting], b, args.context, args.steps, seed=b)
@@ -167,6 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
                 if setting in floors:
                     times = step_seconds(floors[setting], b, args.context, args.steps, seed=b)
                     floor_medians[setting][b].append(statistics.median(times))
+        # The jobs in turns too, in the other order every other round (what runs first in a round
+        # meets the machine as the one before left it).
+        for setting in settings if r % 2 == 0 else settings[::-1]:
+            done[setting].append(jobs(engines[setting], path, args.jobs, args.max_tokens, r))
     # The twin's own bytes (its LM head above all) are in the roofline already: not counted twice.
     floor_bytes = {s: weight_bytes(llm.engine.core.model.language_model) for s, llm in floors.items()}
     for llm in floors.values():
@@ -188,17 +198,19 @@ def main(argv: list[str] | None = None) -> dict:
                 floor = max(0.0, host)
                 steps[b].update(floor_ms=floor * 1e3, bound_ms=(bound + floor) * 1e3)
                 steps[b]["of_bound"] = (bound + floor) / med
-        done = jobs(llm, path, args.jobs, args.max_tokens)
+        job_s = {j: [d[j]["seconds"] for d in done[setting]] for j in ("caption", "chat")}
         row = {"setting": setting, "weight_bytes": wbytes, "compute": core.platform.quantized_compute(),
-               "steps": steps, "caption_s": done["caption"]["seconds"],
-               "chat_s": done["chat"]["seconds"]}  # fmt: skip
+               "steps": steps, "caption_s": statistics.median(job_s["caption"]),
+               "chat_s": statistics.median(job_s["chat"]), "rounds_caption_s": job_s["caption"],
+               "rounds_chat_s": job_s["chat"]}  # fmt: skip
+        first = done[setting][0]  # agreement: the first round's outputs, the same inputs for all
         if fp32 is None:
-            fp32 = (llm, done)
+            fp32 = (llm, first)
         else:
             ref_llm, ref = fp32
-            tokens = [done[j]["tokens"] for j in ("caption", "chat")]
+            tokens = [first[j]["tokens"] for j in ("caption", "chat")]
             row["agreement"] = agreement(sum(tokens, []), ref["caption"]["tokens"] + ref["chat"]["tokens"])
-            row["fp32_logprob"] = fp32_logprob(ref_llm, ref["chat"]["prompt_ids"], done["chat"]["tokens"])
+            row["fp32_logprob"] = fp32_logprob(ref_llm, ref["chat"]["prompt_ids"], first["chat"]["tokens"])
         rows.append(row)
         if llm is not fp32[0]:
             llm.close()
