@@ -163,3 +163,18 @@ def test_an_abort_mid_encode_stops_its_thread(clip_llama):
     assert not _threads() and not len(eng.core.runner.slices)
     assert eng.core.runner.num_encoded_images == 0
     assert_all_free(llm)
+
+
+def test_sliced_with_async_scheduling_gives_the_same_tokens(clip_llama):
+    # A step is scheduled while the one before runs: it may still give a share of an image whose
+    # last share is in flight (the runner finds it done and skips it); nothing else changes.
+    base = dict(decode_step_prefill_tokens=8, max_num_batched_tokens=64, async_scheduling=True)
+    sliced = engine(clip_llama, "cpu", **base)
+    batches = _record_batches(sliced)
+    got, text, image = _stream_then_image(sliced)
+    want, *_ = _stream_then_image(engine(clip_llama, "cpu", sliced_encoding=False, **base))
+    assert got[text] == want[text] and got[image] == want[image]
+    slice_steps = [b for b in batches if b[1]]
+    assert 2 <= len(slice_steps) <= sliced.engine.core.model.tower_depth + 1
+    assert sliced.engine.core.runner.num_encoded_images == 1 and not _threads()
+    assert_all_free(sliced)
