@@ -209,6 +209,7 @@ class EngineCore(OverlappedSteps):
     def _step_plain(self) -> list[CoreOutput]:
         batch = self._schedule()
         if not batch.items:
+            self._encode_only(batch)
             return []
         start = time.perf_counter()
         try:
@@ -217,6 +218,17 @@ class EngineCore(OverlappedSteps):
             raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
         self.scheduler.observe_step(batch, time.perf_counter() - start)
         return outputs
+
+    def _encode_only(self, batch: ScheduledBatch) -> None:
+        """Run a step that only encodes shares of images (sliced_encoding), if it has any."""
+        if not batch.encode_slices:
+            return
+        start = time.perf_counter()
+        try:
+            self.runner.encode_only(batch)
+        except Exception as exc:
+            raise self._failed(exc, [req.request_id for req, _, _ in batch.encode_slices]) from exc
+        self.scheduler.observe_step(batch, time.perf_counter() - start)
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Queue the requests whose grammar is compiled; end those whose grammar failed (the

@@ -326,6 +326,13 @@ class ModelRunner:
         for req, j in firsts:
             self._count_encoded(req.images[j])
 
+    @torch.inference_mode()
+    def encode_only(self, batch: ScheduledBatch) -> None:
+        """A step with image shares to run and no tokens to compute (every request it serves waits
+        before its image): the shares alone, no forward."""
+        with torch_threads(self.threads):
+            self._advance_slices(batch.encode_slices)
+
     def _advance_slices(self, slices: list[tuple[Request, int, int]]) -> None:
         """Run each image's share of its tower (the scheduler's `encode_slices`); an image done
         goes into the encoder cache, where the scheduler finds it for its request's next chunk."""

@@ -71,6 +71,11 @@ class OverlappedSteps:
                 launched = self._launch(batch, prev)
             except Exception as exc:
                 error = exc
+        elif batch.encode_slices:  # shares of images only: run here, no forward to launch
+            try:
+                self.runner.encode_only(batch)
+            except Exception as exc:
+                error, failed = exc, [(req, 0) for req, _, _ in batch.encode_slices]
         if prev is not None:
             try:
                 outputs += self._collect(prev)

@@ -178,3 +178,32 @@ def test_sliced_with_async_scheduling_gives_the_same_tokens(clip_llama):
     assert 2 <= len(slice_steps) <= sliced.engine.core.model.tower_depth + 1
     assert sliced.engine.core.runner.num_encoded_images == 1 and not _threads()
     assert_all_free(sliced)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_background_image_alone_is_encoded_in_shares_with_nothing_else_to_run(clip_llama, async_scheduling):
+    # Batch work alone: the shares are the only work of their steps (no tokens to compute), which
+    # the core must still run; before it did, such a request waited forever.
+    def run(sliced: bool) -> tuple[list[int], list]:
+        llm = engine(clip_llama, "cpu", background_prefill_tokens=8, max_num_batched_tokens=64,
+                     sliced_encoding=sliced, async_scheduling=async_scheduling)  # fmt: skip
+        batches = _record_batches(llm)
+        eng = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        rid = eng.add_request(mm("USER: <image> what is this ASSISTANT:", [make_image(8, (64, 48))]), params,
+                              priority=10)  # fmt: skip
+        tokens: list[int] = []
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            for o in eng.step():
+                if o.request_id == rid:
+                    tokens = list(o.outputs[0].token_ids)
+        assert not eng.has_unfinished()
+        assert_all_free(llm)
+        return tokens, batches
+
+    got, batches = run(True)
+    want, _ = run(False)
+    assert got == want and len(got) == 6
+    assert sum(1 for took, shares, _ in batches if shares and not took) >= 2  # shares alone in a step
