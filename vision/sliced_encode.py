@@ -44,6 +44,7 @@ class SlicedEncode:
         self._allowed = 0  # layers the worker may still start before it pauses
         self._turn = False  # True while the worker computes (the caller waits)
         self._cancelled = False
+        self._ended = False  # the worker is past its encode (done, failed or cancelled)
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -57,7 +58,7 @@ class SlicedEncode:
         An error the encode raised is raised here."""
         with self._cv:
             self._allowed = max(1, layers)
-            self._turn = True
+            self._turn = not self._ended
             self._cv.notify_all()
             while self._turn:
                 self._cv.wait()
@@ -102,6 +103,7 @@ class SlicedEncode:
             self._error = exc
         finally:
             with self._cv:
+                self._ended = True
                 self._turn = False
                 self._cv.notify_all()
 
@@ -126,7 +128,11 @@ class SlicedEncodes:
         key = span.content_hash
         if key not in self._begun:  # torch threads: the caller's (the runner's, inside its prepare)
             self._begun[key] = SlicedEncode(self.encode, span, torch.get_num_threads(), owner)
-        feats = self._begun[key].advance(-(-self.depth * tokens // span.num_embeds))
+        try:
+            feats = self._begun[key].advance(-(-self.depth * tokens // span.num_embeds))
+        except BaseException:
+            del self._begun[key]  # failed: a later share starts it again
+            raise
         if feats is not None:
             del self._begun[key]
         return feats

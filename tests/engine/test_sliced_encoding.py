@@ -14,7 +14,8 @@ import torch
 from helpers.families import ALL_FAMILIES, assert_all_free, engine, family_prompt, mm
 from helpers.images import make_image
 from mm_engine import SamplingParams
-from mm_engine.vision.sliced_encode import SlicedEncode, layer_boundary
+from mm_engine.request import ImageSpan
+from mm_engine.vision.sliced_encode import SlicedEncode, SlicedEncodes, layer_boundary
 
 
 def _threads() -> set[threading.Thread]:
@@ -52,12 +53,25 @@ def test_an_error_in_the_encode_is_raised_by_advance_and_cancel_ends_the_thread(
     assert enc.advance(1) is None
     with pytest.raises(ValueError, match="layer failed"):
         enc.advance(1)
+    with pytest.raises(ValueError, match="layer failed"):  # again, not a wait for a thread that ended
+        enc.advance(1)
     paused = SlicedEncode(_fake_encode(4, []), None, 1, "r")
     paused.advance(1)
     paused.cancel()
     never = SlicedEncode(_fake_encode(4, []), None, 1, "r")
     never.cancel()  # before it ran anything
     assert not _threads()
+
+
+def test_the_runners_set_forgets_a_failed_encode_and_starts_it_again():
+    span = ImageSpan(0, 4, torch.zeros(1), "h")
+    failing = SlicedEncodes(_fake_encode(4, [], fail_at=0), depth=4)
+    with pytest.raises(ValueError):
+        failing.advance(span, 1, "r")
+    assert "h" not in failing
+    fine = SlicedEncodes(_fake_encode(4, []), depth=4)
+    assert fine.advance(span, 2, "r") is None and "h" in fine  # 2 of 4 tokens: 2 of 4 layers
+    assert fine.advance(span, 2, "r").tolist() == [4.0, 4.0] and "h" not in fine
 
 
 def test_layer_boundary_outside_a_sliced_encode_does_nothing():
