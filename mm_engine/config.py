@@ -75,8 +75,9 @@ class EngineConfig:
     # In a step that runs foreground work, background requests compute at most this many tokens
     # (0: they wait for a step with none), so a batch never slows interactive streams down.
     background_step_tokens: int = 0
-    # A step of background work alone adds at most this many prefill tokens (and one image), so a
-    # request arriving while a batch runs waits for one short step.
+    # A step of background work alone adds at most this many prefill tokens (or one image, or with
+    # sliced_encoding a share of a bigger image's tower), so a request arriving while a batch runs
+    # waits for one short step.
     background_prefill_tokens: int = 256
     # Each step sets aside a token for every running decode before better-ranked prefills are
     # admitted (vLLM's order); False: strict rank order, where a new image prefill may take the
@@ -93,10 +94,10 @@ class EngineConfig:
     grammar_compile_memory_bytes: int = 2 * 1024**3
     grammar_cache_bytes: int = 512 * 1024**2
     preemption_mode: str = "recompute"  # or "swap": KV to host memory, image blocks kept first
-    # With running decodes, the prefill tokens (and, beyond one image, the image tokens encoded) a
-    # step may add: it bounds how long running streams wait for their next token (Sarathi-Serve's
-    # token budget). None: 768 on CPU (bench.serve, docs/benchmarks.md), no cap on GPU (not yet
-    # measured there); 0: no cap.
+    # With running decodes, the prefill tokens (and, beyond one image or with sliced_encoding a share
+    # of a bigger one, the image tokens encoded) a step may add: it bounds how long running streams
+    # wait for their next token (Sarathi-Serve's token budget). None: 768 on CPU (bench.serve,
+    # docs/benchmarks.md), no cap on GPU (not yet measured there); 0: no cap.
     decode_step_prefill_tokens: int | None = None
     # The same bound in time: a step with running decodes adds the prefill and encoding that its
     # measured costs (sched/step_costs.py) say keep it within this factor of its decodes alone

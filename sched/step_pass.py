@@ -25,7 +25,7 @@ class StepPass:
     in_flight: set[bytes] = field(default_factory=set)
     admitting: str | None = None  # a swapped request being admitted (see _admit)
     reserved: set[str] = field(default_factory=set)  # decodes whose token is set aside, not yet taken
-    one_image_free: bool = False  # a capped step still encodes one image, whatever its size
+    one_image_free: bool = False  # a capped step still encodes one image (or, slicing, a share of it)
     encode_weight: float = 0.0  # budget tokens one encoded image token takes (a time-bounded step)
     background: bool = False  # the walk has reached background work (the rest of it is too)
     # A step of background work alone: an image it encodes is the only prompt work it does (see
