@@ -81,12 +81,30 @@ class _Link:
         self._open = True
         self._closed = False
 
-    def send(self, msg: msgspec.Struct) -> None:
-        """Send `msg`; a link whose sockets are closed (its core died) drops it."""
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def send(self, msg: msgspec.Struct, timeout_s: float | None = None) -> None:
+        """Send `msg`; a link whose sockets are closed, or whose core is gone, drops it (as does a
+        send that waited `timeout_s`). While no core is connected (it died, not yet noticed) a send
+        waits without holding the lock that closing takes: a blocking send there kept a dead core's
+        reader thread from closing the link, and the sender and the reader waited on each other
+        for good."""
         data = m.encode(msg)
-        with self._send_lock:
-            if self._open:
-                self._push.send(data, copy=False)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:
+            with self._send_lock:
+                if not self._open:
+                    return
+                try:
+                    self._push.send(data, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:  # no core connected, or its queue is full
+                    pass
+            if not self.alive:
+                return
+            time.sleep(0.002)
 
     def recv(self, timeout_s: float) -> m.FromCore | None:
         """The next message from the core, or None when none came within `timeout_s`."""
@@ -145,7 +163,7 @@ class CoreProcess(_Link):
         self._closed = True
         if self.proc.poll() is None:
             try:
-                self.send(m.Shutdown())
+                self.send(m.Shutdown(), timeout)
                 self.proc.wait(timeout)
             except (subprocess.TimeoutExpired, zmq.ZMQError):
                 self.proc.kill()
