@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from mm_engine.core.image_features import ImageFeatures
 from mm_engine.core.step_inputs import StepInputs, StepRows
 from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.host_copy import to_device
@@ -32,7 +33,6 @@ from mm_engine.pools.state_pool import StatePool
 from mm_engine.request import ImageSpan, Request
 from mm_engine.sched.scheduler import ScheduledBatch
 from mm_engine.vision.encoder_cache import EncoderCache
-from mm_engine.vision.sliced_encode import SlicedEncodes
 
 PLACEHOLDER = -1  # a sampled token not read back to the host yet (overlapped scheduling)
 
@@ -67,20 +67,14 @@ class ModelRunner:
         runner's work (tensor-parallel ranks on a CPU share its cores); None: the caller's.
         `states`: a hybrid model's recurrent-state pool, whose tensors its linear layers update."""
         self.model = model
-        self.encoder_cache = encoder_cache
         self.kv = kv
         self.backend = backend
         self.device = device
         self.block_size = kv.spec.block_size
-        self.num_encoded_images = 0  # how many images (clips too) the vision tower has encoded in all
-        self.encoded = {"image": [0, 0], "video": [0, 0]}  # per modality: inputs, vision tokens
-        # Features of images a request's prefill has reached but not passed: request id -> image
-        # index -> features. Stored as the scheduler's batches say (`new_images`, `passed_images`);
-        # the core releases a request's when it is preempted or finishes.
-        self._held: dict[str, dict[int, torch.Tensor]] = {}
         self.peers = peers
         self.encoder = encoder or model.encode
-        self.slices = SlicedEncodes(self.encoder, model.tower_depth)  # images encoded a share a step
+        # The features of images, as the scheduler's batches say (encoded, held, passed, released).
+        self.features = ImageFeatures(self.encoder, encoder_cache, model.tower_depth)
         self.threads = threads
         self.states = states
 
@@ -102,8 +96,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _prepare(self, batch: ScheduledBatch, pending: dict[str, int] | None) -> StepInputs:
         items, copies = batch.items, batch.copies
-        self._advance_slices(batch.encode_slices)
-        self._encode_images(batch.new_images)
+        self.features.advance_slices(batch.encode_slices)
+        self.features.take_new(batch.new_images)
         rows = StepRows()
         for k, (req, n) in enumerate(items):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -115,12 +109,7 @@ class ModelRunner:
                 rows.sample_rows.append(len(rows.ids) - 1)
                 rows.sampling.append(k)
         inputs = self._tensors(rows, items, copies, batch)
-        for rid, j in batch.passed_images:  # what this step needs is in `inputs.embed_feats` now
-            held = self._held.get(rid)
-            if held is not None:
-                held.pop(j, None)
-                if not held:
-                    del self._held[rid]
+        self.features.drop_passed(batch.passed_images)  # what this step needs is in `inputs` now
         return inputs
 
     def _add_tokens(
@@ -159,7 +148,7 @@ class ModelRunner:
                 continue
             embed, first = _embed_rows(span, a - span.offset, b - span.offset)
             rows.embed_rows.append(embed + (row0 + span.offset - start))
-            rows.embed_feats.append(self._held[req.request_id][j][first : first + embed.numel()])
+            rows.embed_feats.append(self.features.get(req.request_id, j)[first : first + embed.numel()])
             if self.model.bidirectional_images:
                 for lo, hi in span.embed_runs():  # one per image (Gemma 3: and per crop)
                     inside = (embed >= lo - span.offset) & (embed < hi - span.offset)
@@ -300,67 +289,29 @@ class ModelRunner:
             else None,
         )
 
-    def _encode_images(self, images: list[tuple[Request, int]]) -> None:
-        """Give each image the scheduler lists its features: from the encoder cache, or encoded
-        now in one batch (each distinct image once, however many requests carry it)."""
-        todo: dict[str, list[tuple[Request, int]]] = {}
-        for req, j in images:
-            span = req.images[j]
-            feats = self.encoder_cache.get(span.content_hash)
-            if feats is not None:
-                self._held.setdefault(req.request_id, {})[j] = feats
-            else:
-                todo.setdefault(span.content_hash, []).append((req, j))
-        if not todo:
-            return
-        firsts = [users[0] for users in todo.values()]
-        # One begun a share at a time is finished; the rest are encoded together.
-        begun = {key: self.slices.finish(key) for key in todo if key in self.slices}
-        whole = [(req, j) for (req, j), key in zip(firsts, todo, strict=True) if key not in begun]
-        encoded = iter(self.encoder([req.images[j] for req, j in whole]) if whole else [])
-        for key, users in todo.items():
-            f = begun[key] if key in begun else next(encoded)
-            self.encoder_cache.put(key, f)
-            for req, j in users:
-                self._held.setdefault(req.request_id, {})[j] = f
-        for req, j in firsts:
-            self._count_encoded(req.images[j])
-
     @torch.inference_mode()
     def encode_only(self, batch: ScheduledBatch) -> None:
         """A step with image shares to run and no tokens to compute (every request it serves waits
         before its image): the shares alone, no forward."""
         with torch_threads(self.threads):
-            self._advance_slices(batch.encode_slices)
+            self.features.advance_slices(batch.encode_slices)
 
-    def _advance_slices(self, slices: list[tuple[Request, int, int]]) -> None:
-        """Run each image's share of its tower (the scheduler's `encode_slices`); an image done
-        goes into the encoder cache, where the scheduler finds it for its request's next chunk."""
-        for req, j, tokens in slices:
-            span = req.images[j]
-            key = span.content_hash
-            if self.encoder_cache.contains(key):  # done already (a step scheduled before it was)
-                continue
-            feats = self.slices.advance(span, tokens, req.request_id)
-            if feats is not None:
-                self.encoder_cache.put(key, feats)
-                self._count_encoded(span)
+    @property
+    def num_encoded_images(self) -> int:
+        return self.features.num_encoded
 
-    def _count_encoded(self, span: ImageSpan) -> None:
-        self.num_encoded_images += 1
-        counts = self.encoded["video" if span.video else "image"]
-        counts[0] += 1
-        counts[1] += span.num_embeds
+    @property
+    def encoded(self) -> dict[str, list[int]]:
+        return self.features.encoded
 
     def release(self, request_id: str) -> None:
         """Forget a request's image features (it was preempted, or it finished), and stop the
         sliced encodes it began."""
-        self._held.pop(request_id, None)
-        self.slices.release(request_id)
+        self.features.release(request_id)
 
     def close(self) -> None:
         """Stop every sliced encode (the engine is shutting down)."""
-        self.slices.close()
+        self.features.close()
 
 
 def _embed_rows(span: ImageSpan, a: int, b: int) -> tuple[torch.Tensor, int]:

@@ -54,7 +54,7 @@ def _record_batches(llm: LLM) -> list:
 
 def _assert_all_free(llm: LLM) -> None:
     assert all(pool.num_used == 0 for pool in llm.engine.core.blocks.pools.values())
-    assert not llm.engine.core.requests and not llm.engine.core.runner._held
+    assert not llm.engine.core.requests and not llm.engine.core.runner.features.held
 
 
 def _run(llm: LLM, n: int, **kwargs) -> list[tuple[list[int], str]]:

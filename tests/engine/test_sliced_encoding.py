@@ -157,7 +157,7 @@ def test_a_big_image_beside_a_stream_is_sliced_and_tokens_are_unchanged(clip_lla
         assert charged == slices[0][1] <= 8
     assert len(slice_steps) <= depth
     assert sliced.engine.core.runner.num_encoded_images == 1
-    assert not len(sliced.engine.core.runner.slices) and not _threads()
+    assert not len(sliced.engine.core.runner.features.slices) and not _threads()
     assert_all_free(sliced)
 
 
@@ -170,11 +170,11 @@ def test_an_abort_mid_encode_stops_its_thread(clip_llama):
         eng.step()
     image = eng.add_request(mm("USER: <image> what is this ASSISTANT:", [make_image(6, (64, 48))]), params)
     eng.step()  # the first of its tower's two layers
-    assert _threads() and len(eng.core.runner.slices)  # begun, not done
+    assert _threads() and len(eng.core.runner.features.slices)  # begun, not done
     eng.abort(image)
     while eng.has_unfinished():
         eng.step()
-    assert not _threads() and not len(eng.core.runner.slices)
+    assert not _threads() and not len(eng.core.runner.features.slices)
     assert eng.core.runner.num_encoded_images == 0
     assert_all_free(llm)
 
