@@ -234,7 +234,8 @@ def _profile(engine) -> dict[str, float]:
             timers["decode"] += forward * (total - prefill) / total
 
     runner.execute = execute_split
-    timed(runner, "_encode_images", "vision")
+    timed(runner.features, "take_new", "vision")
+    timed(runner.features, "advance_slices", "vision")  # shares of images encoded a few layers a step
     timed(engine.core.scheduler, "schedule", "scheduling")
     timed(engine.core.sampler, "sample_tensor", "sampling")
     timed(engine.inputs, "process", "input processing")
