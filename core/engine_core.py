@@ -208,27 +208,15 @@ class EngineCore(OverlappedSteps):
 
     def _step_plain(self) -> list[CoreOutput]:
         batch = self._schedule()
-        if not batch.items:
-            self._encode_only(batch)
+        if not batch.items and not batch.encode_slices:
             return []
         start = time.perf_counter()
-        try:
-            outputs = self._run(batch)
+        try:  # (a step of image shares alone has no forward: sliced_encoding)
+            outputs = self._run(batch) if batch.items else self.runner.encode_only(batch)
         except Exception as exc:
-            raise self._failed(exc, [req.request_id for req, _ in batch.items]) from exc
+            raise self._failed(exc, [req.request_id for req in batch.requests]) from exc
         self.scheduler.observe_step(batch, time.perf_counter() - start)
         return outputs
-
-    def _encode_only(self, batch: ScheduledBatch) -> None:
-        """Run a step that only encodes shares of images (sliced_encoding), if it has any."""
-        if not batch.encode_slices:
-            return
-        start = time.perf_counter()
-        try:
-            self.runner.encode_only(batch)
-        except Exception as exc:
-            raise self._failed(exc, [req.request_id for req, _, _ in batch.encode_slices]) from exc
-        self.scheduler.observe_step(batch, time.perf_counter() - start)
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Queue the requests whose grammar is compiled; end those whose grammar failed (the

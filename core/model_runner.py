@@ -290,11 +290,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def encode_only(self, batch: ScheduledBatch) -> None:
+    def encode_only(self, batch: ScheduledBatch) -> list:
         """A step with image shares to run and no tokens to compute (every request it serves waits
-        before its image): the shares alone, no forward."""
+        before its image): the shares alone, no forward; no outputs."""
         with torch_threads(self.threads):
             self.features.advance_slices(batch.encode_slices)
+        return []
 
     @property
     def num_encoded_images(self) -> int:

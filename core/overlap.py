@@ -65,17 +65,14 @@ class OverlappedSteps:
         if prev is not None and self._reads_pending(prev, batch):
             # A penalty or a grammar reads the tokens so far: the previous step's come first.
             prev, outputs = None, self._collect_before(prev, batch, outputs)
-        launched, error, failed = None, None, batch.items
-        if batch.items:
-            try:
+        launched, error, failed = None, None, [(req, 0) for req in batch.requests]
+        try:
+            if batch.items:
                 launched = self._launch(batch, prev)
-            except Exception as exc:
-                error = exc
-        elif batch.encode_slices:  # shares of images only: run here, no forward to launch
-            try:
+            elif batch.encode_slices:  # shares of images only: run here, no forward to launch
                 self.runner.encode_only(batch)
-            except Exception as exc:
-                error, failed = exc, [(req, 0) for req, _, _ in batch.encode_slices]
+        except Exception as exc:
+            error = exc
         if prev is not None:
             try:
                 outputs += self._collect(prev)

@@ -32,6 +32,13 @@ class ScheduledBatch:
     background_only: bool = False  # a step of background work alone (no foreground request ran)
 
     @property
+    def requests(self) -> list[Request]:
+        """Every request the step works for: its items', then those it encodes image shares for
+        (a failure of the step fails them all)."""
+        reqs = [req for req, _ in self.items] + [req for req, _, _ in self.encode_slices]
+        return list({req.request_id: req for req in reqs}.values())
+
+    @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 

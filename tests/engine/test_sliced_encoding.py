@@ -14,6 +14,7 @@ import torch
 from helpers.families import ALL_FAMILIES, assert_all_free, engine, family_prompt, mm
 from helpers.images import make_image
 from mm_engine import SamplingParams
+from mm_engine.core.faults import StepFailedError
 from mm_engine.request import ImageSpan
 from mm_engine.vision.sliced_encode import SlicedEncode, SlicedEncodes, layer_boundary
 
@@ -221,3 +222,34 @@ def test_a_background_image_alone_is_encoded_in_shares_with_nothing_else_to_run(
     want, _ = run(False)
     assert got == want and len(got) == 6
     assert sum(1 for took, shares, _ in batches if shares and not took) >= 2  # shares alone in a step
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_share_that_fails_fails_its_own_request(clip_llama, async_scheduling):
+    # The image's request may not be among the step's items (it waits before its image): a failed
+    # share must drop it, not only the requests that computed tokens in that step.
+    llm = engine(clip_llama, "cpu", decode_step_prefill_tokens=8, max_num_batched_tokens=64,
+                 async_scheduling=async_scheduling)  # fmt: skip
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    eng.add_request("USER: tell me a long story ASSISTANT:", params)
+    for _ in range(3):
+        eng.step()
+
+    def broken(spans):  # fails in its second share, a step where its request computes nothing
+        layer_boundary()
+        layer_boundary()
+        raise ValueError("tower failed")
+
+    eng.core.runner.features.slices.encode = broken
+    image = eng.add_request(mm("USER: <image> what is this ASSISTANT:", [make_image(9, (64, 48))]), params)
+    dropped: set[str] = set()
+    for _ in range(60):
+        if not eng.has_unfinished():
+            break
+        try:
+            eng.step()
+        except StepFailedError as exc:
+            dropped.update(exc.request_ids)
+    assert image in dropped and not eng.has_unfinished() and not _threads()
+    assert_all_free(llm)
