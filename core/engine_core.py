@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 import mm_engine.models as models
 from mm_engine.config import EngineConfig
 from mm_engine.core.admission import Admission
+from mm_engine.core.background_yield import YieldingSteps
 from mm_engine.core.faults import StepFailedError, is_device_fault
 from mm_engine.core.launcher import Launched, make_launcher
 from mm_engine.core.logit_adjust import row_contexts
@@ -46,7 +47,7 @@ from mm_engine.vision.encoder_cache import EncoderCache
 logger = logging.getLogger("mm_engine.core")
 
 
-class EngineCore(OverlappedSteps):
+class EngineCore(OverlappedSteps, YieldingSteps):
     def __init__(self, config: EngineConfig, max_image_tokens: int, grammars: Grammars | None = None) -> None:
         """`max_image_tokens`: the per-image token cap (the frontend resolves its default, which
         depends on the family's processing). `grammars`: the frontend's, when it runs in this
@@ -140,6 +141,9 @@ class EngineCore(OverlappedSteps):
         self._compiling = GrammarWaitlist(self.grammars)  # structured requests, grammar not ready
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._carry: list[CoreOutput] = []  # outputs read before a step failed: the next step's
+        # A step of background work alone pauses for arrivals (core/background_yield.py): not with
+        # async scheduling, nor under TP.
+        self.background_yield = config.background_yield and self.launcher is None and self.parallel is None
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -182,7 +186,7 @@ class EngineCore(OverlappedSteps):
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
-        if req is not None:
+        if req is not None and not self._held_abort(req):
             self._compiling.remove(req)
             self._finish(req, "abort")
 
@@ -207,9 +211,19 @@ class EngineCore(OverlappedSteps):
             raise
 
     def _step_plain(self) -> list[CoreOutput]:
-        batch = self._schedule()
-        if not batch.items and not batch.encode_slices:
-            return []
+        if self._paused is not None:  # foreground work first, then the paused step goes on
+            if self._paused.in_way:
+                return self._resume()
+            batch = self._schedule(self._paused.held)
+            self._paused.in_way = batch.held_in_way
+            if not batch.items and not batch.encode_slices:
+                return self._resume()
+        else:
+            batch = self._schedule()
+            if not batch.items and not batch.encode_slices:
+                return []
+            if self._yields(batch):
+                return self._start_yielding(batch)
         start = time.perf_counter()
         try:  # (a step of image shares alone has no forward: sliced_encoding)
             outputs = self._run(batch) if batch.items else self.runner.encode_only(batch)
@@ -240,8 +254,8 @@ class EngineCore(OverlappedSteps):
             )
         return ended
 
-    def _schedule(self) -> ScheduledBatch:
-        batch = self.scheduler.schedule(time.time())
+    def _schedule(self, held: frozenset[str] = frozenset()) -> ScheduledBatch:
+        batch = self.scheduler.schedule(time.time(), held)
         for req in batch.preempted:  # recomputed from the start: its image features go too
             self.runner.release(req.request_id)
         return batch
@@ -253,13 +267,23 @@ class EngineCore(OverlappedSteps):
         return StepFailedError(request_ids, self.device_lost)
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
-        logits, sampling, prompt_rows = self.runner.execute(batch)
+        return self._complete(batch, *self.runner.execute(batch))
+
+    def _complete(
+        self, batch: ScheduledBatch, logits: torch.Tensor, sampling: list[int], prompt_rows: list,
+        skip: set[str] | None = None,
+    ) -> list[CoreOutput]:  # fmt: skip
+        """A computed step's bookkeeping and sampling; requests in `skip` (aborted while the
+        step was paused) sample nothing."""
         if prompt_rows:
             prompt_logprobs(batch.items, prompt_rows, logits[len(sampling) :])
             logits = logits[: len(sampling)]
         for req, n in batch.items:
             req.num_computed_tokens += n
             self.blocks.commit(req)
+        if skip:
+            keep = [i for i, k in enumerate(sampling) if batch.items[k][0].request_id not in skip]
+            logits, sampling = logits[keep], [sampling[i] for i in keep]
         if not sampling:  # only mid-prompt chunks this step
             return []
         reqs = [batch.items[k][0] for k in sampling]
@@ -334,6 +358,7 @@ class EngineCore(OverlappedSteps):
         if self._inflight is not None:
             self._inflight.wait()
             self._inflight = None
+        self._cancel_paused()
         if self.launcher is not None:
             self.launcher.close()
         self.runner.close()

@@ -49,6 +49,8 @@ class FrontendGone(Exception):
 class CoreProcess:
     def __init__(self, core: EngineCore, pull: zmq.Socket, pushes: list[zmq.Socket]) -> None:
         self.core, self.pull, self.pushes = core, pull, pushes
+        # A step of background work alone pauses when a message waits (core/background_yield.py).
+        core.arrivals = lambda: bool(self.pull.poll(0))
         self.pixels = [PixelStore() for _ in pushes]  # per frontend: each has its own ledger
         self.owner: dict[str, int] = {}  # request id -> the frontend that added it
         self.last_sent = [0.0] * len(pushes)

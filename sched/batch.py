@@ -30,6 +30,9 @@ class ScheduledBatch:
     num_decodes: int = 0  # items that compute one token past their prompt
     encoder_tokens: int = 0  # image tokens the scheduler charged to the encoder budget
     background_only: bool = False  # a step of background work alone (no foreground request ran)
+    # Beside a paused step (`schedule(held=...)`), a waiting request could not be admitted: the
+    # paused step runs to its end next, so that its requests can give way.
+    held_in_way: bool = False
 
     @property
     def requests(self) -> list[Request]:

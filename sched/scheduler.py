@@ -27,7 +27,8 @@ Background work (batch requests, ranked after everything else) gets no set-aside
 foreground work in a step at most `background_step_tokens` (default 0: only steps without any);
 a step of background work alone adds at most `background_prefill_tokens` of prefill, or encodes one
 image with the prompt up to its first token (the image's run is prefilled in a later step), so that a
-request arriving meanwhile waits for a short step, not for an encode and a prefill in one.
+request arriving meanwhile waits for a short step, not for an encode and a prefill in one (and the
+core may pause such a step for it: `schedule(held=...)` then leaves that step's requests alone).
 A chunk also stops before an image that the per-step encoder budget cannot encode, and, with
 `whole_images` (Gemma 3: an image's tokens attend to each other in both directions, so all its keys
 must be written before any of its queries runs), before an image it would otherwise split.
@@ -114,9 +115,13 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> ScheduledBatch:
+    def schedule(self, now: float, held: frozenset[str] = frozenset()) -> ScheduledBatch:
+        """The next step's batch. `held`: the requests of a paused step of background work alone
+        (core/background_yield.py), whose blocks it is still writing: this step never schedules or
+        preempts them, and no background work runs in it."""
         batch = ScheduledBatch()
         p = StepPass(batch, self.max_num_batched_tokens, self.encoder_budget, slicing=self.sliced_encoding)
+        p.held = held
         ranks = self._ranks
         self.running.sort(key=lambda r: ranks[r.request_id])  # ranked once, when admitted
         running = list(self.running)
@@ -139,6 +144,8 @@ class Scheduler:
                 )
                 rank = nxt_rank if take_waiting else ranks[running[i].request_id]
                 if rank[0] == BACKGROUND and not p.background:
+                    if held:  # the paused step resumes once foreground work leaves it a step
+                        break
                     p.enter_background(
                         self.background_step_tokens, self.background_prefill_tokens, running[i:]
                     )
@@ -148,6 +155,8 @@ class Scheduler:
                         nxt_rank = None if nxt is None else self.policy.rank(nxt, now)
                     else:
                         nxt = None  # waiting requests never overtake each other
+                        # (Its seat or blocks may be the paused step's: that step ends next.)
+                        batch.held_in_way = bool(held)
                     continue
                 released = p.release(running[i].request_id)  # its set-aside token, to take now
                 self._schedule_running(running[i], p)
@@ -238,7 +247,7 @@ class Scheduler:
         for r in reversed(self.running):
             if r is stop_at:
                 return
-            if r.request_id in p.scheduled:
+            if r.request_id in p.scheduled or r.request_id in p.held:
                 continue
             rank = self._ranks[r.request_id]
             if outranked_by is not None and not outranks(self.policy, outranked_by, rank):

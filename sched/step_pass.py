@@ -36,6 +36,7 @@ class StepPass:
     # and the images given a share this step (by content hash: one share a step, whoever asks).
     slicing: bool = False
     sliced: set[str] = field(default_factory=set)
+    held: frozenset[str] = frozenset()  # a paused step's requests: never scheduled nor preempted
 
     def release(self, request_id: str) -> bool:
         """Give a decode's set-aside token back to the budget, for it to take now."""

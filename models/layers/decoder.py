@@ -22,6 +22,7 @@ from mm_engine.kernels.cpu_layer_decode import MmAttnLayer, MmMlp
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers import layer_decode
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.mlp import MLP, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
@@ -289,6 +290,7 @@ class DecoderLM(nn.Module):
         x, residual = embeds, None
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
+            layer_boundary()
             x, residual = layer(x, residual, rope, kv_k[i], kv_v[i], meta, backend)
             if deepstack is not None and i < deepstack[1].shape[1]:
                 rows, feats = deepstack

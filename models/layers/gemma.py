@@ -25,6 +25,7 @@ from mm_engine.kernels.backend import AttentionBackend
 from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers.decoder import RMSNorm, Rotary, VocabParallelEmbedding
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.parallel.group import TPGroup
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -177,6 +178,7 @@ class GemmaLM(nn.Module):
         x = embeds
         ropes = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):
+            layer_boundary()
             x = layer(x, ropes[self.layer_types[i]], kv_k[i], kv_v[i], meta, backend)
         return self.norm(x)
 

@@ -30,6 +30,7 @@ from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers.decoder import RMSNorm, Rotary
 from mm_engine.models.layers.gemma import FULL, NORMS, SLIDING, GemmaMLP, add_norms, lm_head, scaled_embedding
 from mm_engine.models.layers.gemma4_moe import Gemma4Experts, Gemma4Router
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.per_layer_embed import PerLayerEmbedding, PerLayerGate
 from mm_engine.parallel.group import TPGroup
 
@@ -196,6 +197,7 @@ class Gemma4LM(nn.Module):
         if meta.bidirectional is not None:  # global layers: no image ranges (same derived plans)
             causal = dataclasses.replace(meta, bidirectional=None)
         for i, layer in enumerate(self.layers):
+            layer_boundary()
             j = self.kv_index[i]
             seen = meta if layer.self_attn.bidirectional else causal
             vector = None if per_layer is None else per_layer[:, i]

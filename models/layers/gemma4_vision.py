@@ -24,8 +24,8 @@ from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm, rotate_part
 from mm_engine.models.layers.gemma4 import rms
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.vision_layout import rotary_tables
-from mm_engine.vision.sliced_encode import layer_boundary
 
 F32 = torch.float32
 

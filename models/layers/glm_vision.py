@@ -24,11 +24,11 @@ from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.mlp import MLP
 from mm_engine.models.layers.qwen_vision import TowerOutput
 from mm_engine.models.layers.qwen_vision_parts import VisionAttention
 from mm_engine.models.layers.vision_layout import rotary_tables, tower_layout
-from mm_engine.vision.sliced_encode import layer_boundary
 
 
 class GlmVisionBlock(nn.Module):

@@ -28,6 +28,7 @@ from mm_engine.kernels.metadata import AttentionMetadata
 from mm_engine.kernels.ops import TORCH_OPS, TorchOps
 from mm_engine.models.layers import layer_decode
 from mm_engine.models.layers.decoder import DecoderLM, RMSNorm, rotate_part
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.mlp import MLP, MMAP_BYTES, can_concat, concat_linears
 from mm_engine.models.layers.moe import SparseMoE, is_sparse
 from mm_engine.parallel.group import TPGroup
@@ -333,6 +334,7 @@ class HybridLM(DecoderLM):
         x, residual = embeds, None
         rope = self.rotary(positions, x.dtype)
         for layer, j in zip(self.layers, self.cache_index, strict=True):
+            layer_boundary()
             caches = (states.conv[j], states.recurrent[j]) if layer.linear else (kv_k[j], kv_v[j])
             x, residual = layer(x, residual, rope, caches, meta, backend)
         return self.norm.add_and_norm(residual, x)[1]

@@ -23,11 +23,11 @@ from torch import nn
 
 from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.mlp import FeedForward
 from mm_engine.models.layers.qwen_vision import TowerOutput
 from mm_engine.models.layers.qwen_vision_parts import LayerNorm, VisionAttention
 from mm_engine.models.layers.vision_layout import rotary_tables
-from mm_engine.vision.sliced_encode import layer_boundary
 
 
 class PaddleVisionBlock(nn.Module):

@@ -22,9 +22,9 @@ from torch import nn
 from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.mlp import MLP
 from mm_engine.models.layers.qwen_vision_parts import VisionAttention
-from mm_engine.vision.sliced_encode import layer_boundary
 
 
 def pixtral_rotary(grids: list[tuple[int, int]], head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from mm_engine.kernels.ops import TorchOps
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.qwen_vision_parts import PatchMerger, Qwen3Merger, VisionBlock
 from mm_engine.models.layers.vision_layout import TowerLayout, rotary_tables, tower_layout
-from mm_engine.vision.sliced_encode import layer_boundary
 
 PATCH_WEIGHT = "patch_embed.proj.weight"
 # The vision configs' model types, by the tower they describe.

@@ -36,8 +36,8 @@ from torch import nn
 from mm_engine.kernels.metadata import Segments
 from mm_engine.kernels.ops import TorchOps
 from mm_engine.models.layers.decoder import RMSNorm
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.models.layers.mlp import FeedForward
-from mm_engine.vision.sliced_encode import layer_boundary
 
 KINDS = {
     "clip_vision_model": "clip",

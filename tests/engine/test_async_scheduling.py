@@ -43,8 +43,8 @@ def _record_batches(llm: LLM) -> list:
     sched, seen = llm.engine.core.scheduler, []
     schedule = sched.schedule
 
-    def watched(now):
-        batch = schedule(now)
+    def watched(now, held=frozenset()):
+        batch = schedule(now, held)
         seen.append(([(r.request_id, n) for r, n in batch.items], [r.request_id for r in batch.preempted]))
         return batch
 

@@ -219,8 +219,8 @@ def test_background_image_requests_equal_transformers_in_every_image_layout(vl_f
     sched, encoding_steps = llm.engine.core.scheduler, []
     schedule = sched.schedule
 
-    def watched(now):
-        batch = schedule(now)
+    def watched(now, held=frozenset()):
+        batch = schedule(now, held)
         if batch.encoder_tokens:
             encoding_steps.append([(r.num_computed_tokens, n, r.images[0].offset) for r, n in batch.items])
         return batch

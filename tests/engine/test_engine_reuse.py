@@ -29,7 +29,7 @@ def run_counting(llm: LLM, prompt: dict) -> tuple[list[int], int, int]:
         for r, n in batch.items:  # what the runner is given to compute: counted, not timed
             if r is req and r.num_computed_tokens < r.num_prompt_tokens:
                 computed_prefill += min(n, r.num_prompt_tokens - r.num_computed_tokens)
-        engine.core.scheduler.schedule = lambda now, b=batch: b
+        engine.core.scheduler.schedule = lambda now, held=frozenset(), b=batch: b
         try:
             outs = engine.step()
         finally:

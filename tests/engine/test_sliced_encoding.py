@@ -15,8 +15,9 @@ from helpers.families import ALL_FAMILIES, assert_all_free, engine, family_promp
 from helpers.images import make_image
 from mm_engine import SamplingParams
 from mm_engine.core.faults import StepFailedError
+from mm_engine.models.layers.layer_gate import layer_boundary
 from mm_engine.request import ImageSpan
-from mm_engine.vision.sliced_encode import SlicedEncode, SlicedEncodes, layer_boundary
+from mm_engine.vision.sliced_encode import SlicedEncode, SlicedEncodes
 
 
 def _threads() -> set[threading.Thread]:
@@ -108,8 +109,8 @@ def _record_batches(llm) -> list:
     sched = llm.engine.core.scheduler
     schedule = sched.schedule
 
-    def recording(now):
-        batch = schedule(now)
+    def recording(now, held=frozenset()):
+        batch = schedule(now, held)
         batches.append(
             (
                 {r.request_id: n for r, n in batch.items},

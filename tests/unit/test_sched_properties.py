@@ -32,6 +32,13 @@ BS = 4
 IMG_TOKENS = 6
 IMAGE_ID = 99
 MAX_WAIT = 5.0
+ARRIVALS = {  # a request's draws (priority 2: background work)
+    "n_images": st.integers(0, 2),
+    "image_seed": st.integers(0, 2),
+    "words": st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    "max_tokens": st.integers(1, 6),
+    "priority": st.integers(0, 2),
+}
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -45,12 +52,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         snapshots=st.sampled_from([None, 0, 1, 3, 8]),
         factor=st.sampled_from([None, 1.5, 3.0]),
         sliced=st.booleans(),
+        yielding=st.booleans(),
     )
-    def setup(self, mode, n_text, n_image, max_seqs, budget, cap, snapshots, factor, sliced=False):
+    def setup(
+        self, mode, n_text, n_image, max_seqs, budget, cap, snapshots, factor, sliced=False, yielding=False
+    ):
         """`snapshots`: None for a plain model; else a hybrid one with a state slot per seat and
         that many snapshot rows (0: no prefix reuse). `factor`: steps bounded in time, each step
         reported to take a made-up linear time. `sliced`: an image too big for a capped step is
-        encoded a share a step (the fake runner counts the shares)."""
+        encoded a share a step (the fake runner counts the shares). `yielding`: a step of background
+        work alone pauses halfway through its forward (core/background_yield.py) and the following
+        steps run beside it, holding its requests, until one finds no foreground work."""
         spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype=torch.float32)
         self.kv = KVCache(spec, n_text + n_image, torch.device("cpu"))
         pools = BlockPool(TEXT, 0, n_text), BlockPool(IMAGE, n_text, n_image)
@@ -91,16 +103,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seq = 0
         self.live: dict[str, Request] = {}
         self.held: set[tuple[str, int]] = set()  # image features the runner holds between steps
+        self.yielding = yielding
+        self.paused = None  # a step of background work alone, paused halfway through its forward
+        self.paused_in_way = False
+        self.aborted: set[str] = set()  # held requests aborted meanwhile: they end when it does
 
     # ---- rules -------------------------------------------------------------------------------
 
-    @rule(
-        n_images=st.integers(0, 2),
-        image_seed=st.integers(0, 2),
-        words=st.lists(st.integers(1, 5), min_size=1, max_size=6),
-        max_tokens=st.integers(1, 6),
-        priority=st.integers(0, 2),
-    )
+    @rule(**ARRIVALS)
     def arrive(self, n_images, image_seed, words, max_tokens, priority):
         ids: list[int] = [1]
         spans = []
@@ -119,21 +129,42 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.add(req)
         self.live[req.request_id] = req
 
+    @precondition(lambda self: self.paused is not None)
+    @rule(**{**ARRIVALS, "priority": st.integers(0, 1)})
+    def arrive_while_paused(self, n_images, image_seed, words, max_tokens, priority):
+        """Foreground work arriving while a step of background work is paused (what pauses it)."""
+        self.arrive(n_images, image_seed, words, max_tokens, priority)
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        self._finish(rid)
+        if self.paused is not None and rid in self._held():
+            self.aborted.add(rid)  # the paused forward still writes its blocks: it ends with it
+        else:
+            self._finish(rid)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
     def step(self, dt):
         self.now += dt
         bg = self.policy.background_priority
+        if self.paused_in_way:  # a request waits for the paused step's seats or blocks: it ends first
+            self._resume()
+            return
         decoding = [
             r.request_id for r in self.sched.running
             if r.num_tokens - r.num_computed_tokens == 1 and not is_background(r, bg)
         ]  # fmt: skip
-        batch = self.sched.schedule(self.now)
+        held = self._held()
+        batch = self.sched.schedule(self.now, held)
+        if held:  # beside a paused step: foreground work only, its requests left alone
+            assert not held & {r.request_id for r in batch.requests}, "a held request scheduled"
+            assert not held & {r.request_id for r in batch.preempted}, "a held request preempted"
+            assert not any(is_background(r, bg) for r in batch.requests), "background work beside it"
+            self.paused_in_way = batch.held_in_way
+            if not batch.items and not batch.encode_slices:
+                self._resume()
+                return
         if not batch.background_only:  # background work only goes in steps without foreground work
             assert not any(is_background(r, bg) for r, _ in batch.items)
         assert all(n > 0 for _, n in batch.items), "a request scheduled with no tokens to compute"
@@ -153,9 +184,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prefill = sum(n for r, n in batch.items if r.request_id not in decoding)
                 assert prefill <= self.cap, f"{prefill} prefill tokens beside decodes, cap {self.cap}"
         ranks = {r.request_id: self.policy.rank(r, self.now) for r in self.live.values()}
-        scheduled = {r.request_id for r, _ in batch.items}
+        scheduled = {r.request_id for r in batch.requests}  # (a share of an image's tower serves one too)
         for w in self.sched.waiting:
-            if ranks[w.request_id][0] == 0:  # starved: only requests ranked above it may run instead
+            if ranks[w.request_id][0] == 0 and w.request_id not in scheduled and not batch.held_in_way:
+                # starved: only requests ranked above it may run instead
                 assert any(ranks[s] < ranks[w.request_id] for s in scheduled), (
                     "a starved request was passed over"
                 )
@@ -167,13 +199,34 @@ class SchedulerMachine(RuleBasedStateMachine):
         if batch.state_copies:  # and snapshots into the slots of requests that reuse a prefix
             src, dst = (torch.tensor(x) for x in zip(*batch.state_copies, strict=True))
             self.states.copy_rows(src, dst)
+        if self.yielding and batch.background_only and batch.items:
+            for req, n in batch.items:  # its first layers' KV is written; the rest when it resumes
+                self._fake_kv(req, req.num_computed_tokens, req.num_computed_tokens + n)
+            self.paused = batch
+            return
+        self._finish_step(batch)
+
+    def _held(self) -> frozenset[str]:
+        return frozenset() if self.paused is None else frozenset(r.request_id for r in self.paused.requests)
+
+    def _resume(self) -> None:
+        """The paused step runs to its end; the requests aborted meanwhile end with it."""
+        batch, self.paused, self.paused_in_way = self.paused, None, False
+        self._finish_step(batch)
+        for rid in sorted(self.aborted):
+            if rid in self.live:
+                self._finish(rid)
+        self.aborted.clear()
+
+    def _finish_step(self, batch) -> None:
+        """The rest of a step: the forward's writes, tokens sampled, requests that end."""
         for req, n in batch.items:
             if self.states is not None:
                 self._fake_state(req, n, batch.state_snapshots.get(req.request_id, []))
             self._fake_run(req, n)
             assert req.num_computed_tokens <= req.num_tokens
             self.blocks.commit(req)
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == req.num_tokens and req.request_id not in self.aborted:
                 req.token_ids.append(7 + len(req.token_ids) % 3)  # a made-up sampled token
                 if len(req.output_token_ids) >= req.params.max_tokens:
                     self._finish(req.request_id)
@@ -241,10 +294,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             if touched and self.encoder_cache.get(span.content_hash) is None:
                 self.encoder_cache.put(span.content_hash, torch.zeros(IMG_TOKENS))
                 self.slices.pop(span.content_hash, None)  # a sliced encode begun is finished
+        self._fake_kv(req, start, end)
+        req.num_computed_tokens = end
+
+    def _fake_kv(self, req: Request, start: int, end: int) -> None:
         assert len(req.block_table) * BS >= end, "computing tokens that have no slot"
         for p in range(start, end):
             self.kv.k[0][req.block_table[p // BS], p % BS, 0] = torch.tensor(_slot_value(req, p))
-        req.num_computed_tokens = end
 
     # ---- invariants --------------------------------------------------------------------------
 
@@ -305,7 +361,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         # Drain: every request ends, and nobody waited past the aging bound without a reason.
         for _ in range(500):
-            if not self.live:
+            if not self.live and self.paused is None:
                 break
             self.step(1.0)
         assert not self.live, "requests never finished"
@@ -366,3 +422,42 @@ def test_a_starved_image_request_goes_beside_decodes_in_a_time_bounded_step():
     check()
     state.step(dt=3.0)  # the image request, starved by now, goes beside the decode
     state.teardown()
+
+
+def test_steps_beside_a_paused_background_step_leave_its_requests_alone():
+    """A step of background work alone pauses; foreground work runs beside it without taking its
+    requests' seats or blocks; a request that finds no seat has the paused step end first; an
+    abort of a held request waits for the step."""
+    state = SchedulerMachine()
+    state.setup(
+        mode="recompute", n_text=8, n_image=4, max_seqs=2, budget=8, cap=None, snapshots=None, factor=None,
+        yielding=True,
+    )  # fmt: skip
+    state.arrive(image_seed=0, max_tokens=3, n_images=1, priority=2, words=[1, 2])
+    state.step(dt=0.5)
+    assert state.paused is not None and state._held() == {"0"}
+    state.arrive(image_seed=0, max_tokens=2, n_images=0, priority=0, words=[3])
+    state.step(dt=0.5)  # the foreground request's prefill, beside the paused step
+    fg = state.live["1"]
+    assert state.paused is not None and fg.num_computed_tokens == fg.num_prompt_tokens
+    state.kv_slots_hold_what_was_computed()
+    state.arrive(image_seed=1, max_tokens=1, n_images=0, priority=0, words=[4])  # no seat left
+    state.step(dt=0.5)
+    assert state.paused_in_way and state.paused is not None
+    state.abort(data=_Draw("0"))  # held: it ends with its step
+    assert "0" in state.live and state.aborted == {"0"}
+    state.step(dt=0.5)  # the paused step ends first, and its aborted request with it
+    assert state.paused is None and "0" not in state.live
+    state.blocks_add_up()
+    state.kv_slots_hold_what_was_computed()
+    state.teardown()
+
+
+class _Draw:
+    """Stands in for hypothesis' `data` in a rule called by hand: draws the value given."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def draw(self, strategy):
+        return self.value
