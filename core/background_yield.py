@@ -1,30 +1,31 @@
-"""Steps of background work alone that give way to arrivals: the engine core's side of
-core/yielding_step.py.
+"""Steps of background work alone that give way to arrivals.
 
-    nothing paused:  schedule -> background work alone? run it yielding (it may pause: no outputs)
-    a step paused:   schedule foreground work only, holding the paused step's requests
-                     -> run that batch if there is one, else resume the paused step
-                     (resumed to its end first when a foreground request could not be admitted
-                     beside it: its requests' seats and blocks may be what that one waits for)
+A step of background work alone (the batch API's requests: sched/scheduler.py) takes a few hundred
+milliseconds on a CPU, and a request arriving meanwhile used to wait for all of it. Now, before
+each layer of its language model or vision tower (`layer_boundary()`, models/layers/layer_gate.py),
+such a step asks the driver whether anything arrived (`arrivals`: the core process's socket), and if
+so hands it the turn (`yield_to`): the driver takes the arrivals in and runs foreground steps
+(`step_beside`) until none is left, and the paused step goes on where it stopped.
 
-A request that arrives while a batch's step runs then waits for one layer of it, not all of it. The
-paused step's requests are held: the scheduler neither schedules nor preempts them (their blocks
-are still being written), an abort of one waits until the step ends, and no background work is
-scheduled around it. Only in the plain loop (not with async scheduling), on one rank (a
-tensor-parallel forward's workers wait inside it), and where the driver says how it sees arrivals
-(`arrivals`: the core process's socket, the engine thread's inbox).
+    step_beside():  schedule foreground work only, holding the paused step's requests
+                    -> run that batch; None when there is none (the paused step goes on)
+
+The steps beside run on the same thread, inside the paused forward's call (a second thread with a
+thread pool of its own made every step of the first one slower: libgomp throttles its spinning
+when it manages more threads than there are cores). The paused step's requests are held: the
+scheduler neither schedules nor preempts them (their blocks are still being written), an abort of
+one waits until the step ends, and no other background work runs beside it. When a foreground
+request cannot be admitted beside it (the seats or blocks it needs may be the paused step's), the
+step runs to its end first. Only in the plain loop (not with async scheduling) and on one rank.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from mm_engine.core.types import CoreOutput
-from mm_engine.core.yielding_step import YieldingStep
+from mm_engine.models.layers import layer_gate
 from mm_engine.request import Request
 from mm_engine.sched.scheduler import ScheduledBatch
 
@@ -32,53 +33,63 @@ from mm_engine.sched.scheduler import ScheduledBatch
 @dataclass(slots=True)
 class PausedStep:
     batch: ScheduledBatch
-    work: YieldingStep
     held: frozenset[str]  # the ids of the requests it works for
-    start: float  # perf_counter when it began
     aborted: list[Request] = field(default_factory=list)  # aborted meanwhile: they end with it
     in_way: bool = False  # a foreground request waits for its requests' seats or blocks
+    pauses: int = 0  # how often it gave way
+    giving_way: bool = False  # the steps beside it run now (their layers do not pause again)
 
 
 class YieldingSteps:
-    """EngineCore's steps around a paused one (the scheduler, the runner are the core's)."""
+    """EngineCore's side (the scheduler and the runner are the core's)."""
 
-    # Set by the driver: whether anything (a request, an abort) arrived since it last looked.
+    # Set by the driver: whether anything (a request, an abort) arrived since it last looked, and
+    # what takes it in and runs `step_beside()` until that returns None.
     arrivals: Callable[[], bool] | None = None
+    yield_to: Callable[[], None] | None = None
     _paused: PausedStep | None = None
 
     def _yields(self, batch: ScheduledBatch) -> bool:
-        return (
-            self.background_yield
-            and self.arrivals is not None
-            and batch.background_only
-            and bool(batch.items)
-        )
+        driven = self.background_yield and self.arrivals is not None and self.yield_to is not None
+        return driven and batch.background_only and bool(batch.items)
 
-    def _start_yielding(self, batch: ScheduledBatch) -> list[CoreOutput]:
-        work = YieldingStep(lambda: self.runner.execute(batch), torch.get_num_threads())
-        held = frozenset(req.request_id for req in batch.requests)
-        self._paused = PausedStep(batch, work, held, time.perf_counter())
-        return self._resume()
-
-    def _resume(self) -> list[CoreOutput]:
-        """Run the paused step on until it ends (its outputs) or pauses again (none)."""
-        paused = self._paused
-        # (Run to its end, whatever arrives, when a foreground request waits for its requests.)
-        if not paused.work.run(_nothing if paused.in_way else self.arrivals):
-            return []
-        self._paused = None
-        skip = {req.request_id for req in paused.aborted}
+    def _run_yielding(self, batch: ScheduledBatch) -> tuple[list[CoreOutput], bool]:
+        """`_run(batch)`, giving way at its layers (and whether it did); the requests aborted
+        meanwhile end after it."""
+        paused = self._paused = PausedStep(batch, frozenset(req.request_id for req in batch.requests))
+        layer_gate.install(self)
         try:
-            logits, sampling, prompt_rows = paused.work.result()
-        except Exception as exc:
-            self._end_aborted(paused)
-            live = [req.request_id for req in paused.batch.requests if req.request_id not in skip]
-            raise self._failed(exc, live) from exc
-        if paused.work.pauses == 0:  # (a step that paused took longer than its work)
-            self.scheduler.observe_step(paused.batch, time.perf_counter() - paused.start)
-        outputs = self._complete(paused.batch, logits, sampling, prompt_rows, skip)
-        self._end_aborted(paused)
-        return outputs
+            return self._run(batch), paused.pauses > 0
+        finally:
+            layer_gate.install(None)
+            self._paused = None
+            for req in paused.aborted:
+                self._finish(req, "abort")
+
+    def wait_turn(self) -> None:
+        """The paused step's layer gate: give way to what arrived."""
+        paused = self._paused
+        if paused is None or paused.giving_way or paused.in_way or not self.arrivals():
+            return
+        paused.pauses += 1
+        paused.giving_way = True
+        try:
+            self.yield_to()
+        finally:
+            paused.giving_way = False
+
+    def step_beside(self) -> list[CoreOutput] | None:
+        """One step of foreground work beside the paused step, or None when there is none (or a
+        foreground request waits for what the paused step's requests hold)."""
+        paused = self._paused
+        if paused is None or paused.in_way:
+            return None
+        ended = self._admit_compiled() if self._compiling else []  # grammars that failed
+        batch = self._schedule(paused.held)
+        paused.in_way = batch.held_in_way
+        if not batch.items and not batch.encode_slices:
+            return ended or None
+        return ended + self._run_batch(batch)
 
     def _held_abort(self, req: Request) -> bool:
         """Whether `req`'s abort waits for the paused step (which still writes its blocks)."""
@@ -87,16 +98,6 @@ class YieldingSteps:
         self._paused.aborted.append(req)
         return True
 
-    def _end_aborted(self, paused: PausedStep) -> None:
-        for req in paused.aborted:
-            self._finish(req, "abort")
-
-    def _cancel_paused(self) -> None:
-        """Stop a paused step (the engine is closing; its requests end with it)."""
-        if self._paused is not None:
-            self._paused.work.cancel()
-            self._paused = None
-
-
-def _nothing() -> bool:
-    return False
+    def _skipped(self) -> set[str] | None:
+        """Requests that sample nothing: those aborted while the step was paused."""
+        return {req.request_id for req in self._paused.aborted} if self._paused is not None else None

@@ -211,22 +211,22 @@ class EngineCore(OverlappedSteps, YieldingSteps):
             raise
 
     def _step_plain(self) -> list[CoreOutput]:
-        if self._paused is not None:  # foreground work first, then the paused step goes on
-            if self._paused.in_way:
-                return self._resume()
-            batch = self._schedule(self._paused.held)
-            self._paused.in_way = batch.held_in_way
-            if not batch.items and not batch.encode_slices:
-                return self._resume()
-        else:
-            batch = self._schedule()
-            if not batch.items and not batch.encode_slices:
-                return []
-            if self._yields(batch):
-                return self._start_yielding(batch)
+        batch = self._schedule()
+        if not batch.items and not batch.encode_slices:
+            return []
+        return self._run_batch(batch)
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[CoreOutput]:
         start = time.perf_counter()
         try:  # (a step of image shares alone has no forward: sliced_encoding)
-            outputs = self._run(batch) if batch.items else self.runner.encode_only(batch)
+            if not batch.items:
+                outputs = self.runner.encode_only(batch)
+            elif self._yields(batch):  # it may give way to arrivals (core/background_yield.py)
+                outputs, gave_way = self._run_yielding(batch)
+                if gave_way:  # (its time is not its own)
+                    return outputs
+            else:
+                outputs = self._run(batch)
         except Exception as exc:
             raise self._failed(exc, [req.request_id for req in batch.requests]) from exc
         self.scheduler.observe_step(batch, time.perf_counter() - start)
@@ -267,7 +267,7 @@ class EngineCore(OverlappedSteps, YieldingSteps):
         return StepFailedError(request_ids, self.device_lost)
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
-        return self._complete(batch, *self.runner.execute(batch))
+        return self._complete(batch, *self.runner.execute(batch), self._skipped())
 
     def _complete(
         self, batch: ScheduledBatch, logits: torch.Tensor, sampling: list[int], prompt_rows: list,
@@ -358,7 +358,6 @@ class EngineCore(OverlappedSteps, YieldingSteps):
         if self._inflight is not None:
             self._inflight.wait()
             self._inflight = None
-        self._cancel_paused()
         if self.launcher is not None:
             self.launcher.close()
         self.runner.close()

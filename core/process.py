@@ -49,8 +49,10 @@ class FrontendGone(Exception):
 class CoreProcess:
     def __init__(self, core: EngineCore, pull: zmq.Socket, pushes: list[zmq.Socket]) -> None:
         self.core, self.pull, self.pushes = core, pull, pushes
-        # A step of background work alone pauses when a message waits (core/background_yield.py).
+        # A step of background work alone gives way when a message waits (core/background_yield.py).
         core.arrivals = lambda: bool(self.pull.poll(0))
+        core.yield_to = self._beside
+        self.exit_code = 0  # set where a step beside a paused one lost the device
         self.pixels = [PixelStore() for _ in pushes]  # per frontend: each has its own ledger
         self.owner: dict[str, int] = {}  # request id -> the frontend that added it
         self.last_sent = [0.0] * len(pushes)
@@ -88,7 +90,7 @@ class CoreProcess:
             if not self.running:
                 break
             if self.core.has_unfinished():
-                code = self.step()
+                code = self.step() or self.exit_code
                 if code:
                     return code
             now = time.monotonic()
@@ -104,10 +106,27 @@ class CoreProcess:
                 last_beat = now
         return 0
 
-    def step(self) -> int:
+    def _beside(self) -> None:
+        """Called at a layer of a paused step of background work: take in what arrived and run
+        foreground steps beside it until none is left (then it goes on)."""
+        while self.running and not self.exit_code:
+            while self.running and self.pull.poll(0):
+                self.apply(m.decode_to_core(self.pull.recv(copy=False).buffer))
+            if not self.running:
+                return
+            code = self.step(beside=True)
+            if code is None:
+                return
+            self.exit_code = code
+
+    def step(self, beside: bool = False) -> int | None:
+        """One step and its outputs sent; an exit code (0: go on). `beside`: a step beside a
+        paused one, None when there is none to run."""
         start = time.perf_counter()
         try:
-            outputs = self.core.step()
+            outputs = self.core.step_beside() if beside else self.core.step()
+            if outputs is None:
+                return None
         except StepFailedError as exc:
             kind = type(exc.__cause__ or exc).__name__
             for j, ids in self._by_frontend(exc.request_ids, lambda rid: rid).items():

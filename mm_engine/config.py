@@ -79,8 +79,8 @@ class EngineConfig:
     # sliced_encoding a share of a bigger image's tower), so a request arriving while a batch runs
     # waits for one short step.
     background_prefill_tokens: int = 256
-    # Such a step pauses before its next layer when a request arrives, and goes on once foreground
-    # work leaves a step free (core/background_yield.py; CPU plain loop, one rank).
+    # Such a step gives way before its next layer when a request arrives, and goes on once the
+    # foreground steps are done (core/background_yield.py; plain loop, one rank, core process).
     background_yield: bool = True
     # Each step sets aside a token for every running decode before better-ranked prefills are
     # admitted (vLLM's order); False: strict rank order, where a new image prefill may take the

@@ -11,24 +11,38 @@ same modules on the same rows.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
-from mm_engine.models.layers.layer_gate import GatedWork
+from mm_engine.models.layers import layer_gate
 from mm_engine.request import ImageSpan
 
 Encode = Callable[[list[ImageSpan]], list[torch.Tensor]]  # a family's `encode`
 
 
-class SlicedEncode(GatedWork):
+class _Cancelled(Exception):
+    """Unwinds a paused encode that is no longer wanted."""
+
+
+class SlicedEncode:
     """`encode([span])` run a few tower layers at a time; `owner` is the request that started it."""
 
     def __init__(self, encode: Encode, span: ImageSpan, threads: int, owner: str) -> None:
         self.owner = owner
         self.layers_done = 0
+        self._cv = threading.Condition()
         self._allowed = 0  # layers the worker may still start before it pauses
-        super().__init__(lambda: encode([span])[0], threads, "mm-engine-sliced-encode")
+        self._turn = False  # True while the worker computes (the caller waits)
+        self._cancelled = False
+        self._ended = False  # the worker is past its encode (done, failed or cancelled)
+        self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(encode, span, threads), name="mm-engine-sliced-encode", daemon=True
+        )
+        self._thread.start()  # it waits for the first advance() before it computes anything
 
     def advance(self, layers: int) -> torch.Tensor | None:
         """Run up to `layers` (at least one) more tower layers; what comes before the first layer
@@ -36,15 +50,54 @@ class SlicedEncode(GatedWork):
         An error the encode raised is raised here."""
         with self._cv:
             self._allowed = max(1, layers)
-            self._hand_turn()
-        return self.result()
+            self._turn = not self._ended
+            self._cv.notify_all()
+            while self._turn:
+                self._cv.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
-    def _pause_here(self) -> bool:
-        return self._allowed == 0
+    def cancel(self) -> None:
+        """Stop it where it paused and let its thread end."""
+        with self._cv:
+            self._cancelled = True
+            self._cv.notify_all()
+        self._thread.join()
 
-    def _layer_starts(self) -> None:
-        self._allowed -= 1
-        self.layers_done += 1
+    # ---- the worker's side ----------------------------------------------------------------------
+
+    def wait_turn(self) -> None:
+        with self._cv:
+            if self._allowed == 0:
+                self._turn = False
+                self._cv.notify_all()
+                while not self._turn and not self._cancelled:
+                    self._cv.wait()
+            if self._cancelled:
+                raise _Cancelled
+            self._allowed -= 1
+            self.layers_done += 1
+
+    def _run(self, encode: Encode, span: ImageSpan, threads: int) -> None:
+        layer_gate.install(self)  # the tower's `layer_boundary()` calls pause here
+        torch.set_num_threads(threads)  # an OpenMP thread count is the thread's own
+        try:
+            with self._cv:
+                while not self._turn and not self._cancelled:
+                    self._cv.wait()
+            if not self._cancelled:
+                with torch.inference_mode():
+                    (self._result,) = encode([span])
+        except _Cancelled:
+            pass
+        except BaseException as exc:  # handed to the caller by advance()
+            self._error = exc
+        finally:
+            with self._cv:
+                self._ended = True
+                self._turn = False
+                self._cv.notify_all()
 
 
 class SlicedEncodes:

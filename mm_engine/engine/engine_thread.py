@@ -49,7 +49,6 @@ class EngineThread:
         self._inbox: collections.deque[Command] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False  # set by the engine thread as it exits; guarded by `_cond`
-        engine.watch_arrivals(lambda: bool(self._inbox))  # a background step pauses for them
         self._thread = threading.Thread(target=self._run, name="mm-engine-loop", daemon=True)
         self._thread.start()
 

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from mm_engine.config import EngineConfig
 from mm_engine.core.engine_core import EngineCore
@@ -57,13 +56,6 @@ class LLMEngine:
         if not isinstance(self.client, InProcessCore):
             raise AttributeError("the engine core runs in a process of its own")
         return self.client.core
-
-    def watch_arrivals(self, arrivals: Callable[[], bool]) -> None:
-        """How the caller's loop sees that a request or an abort arrived during a step: a step of
-        background work alone pauses for it (core/background_yield.py). A core in a process of its
-        own watches its own socket."""
-        if isinstance(self.client, InProcessCore):
-            self.client.core.arrivals = arrivals
 
     # ---- requests in -------------------------------------------------------------------------
 
