@@ -141,8 +141,8 @@ class EngineCore(OverlappedSteps, YieldingSteps):
         self._compiling = GrammarWaitlist(self.grammars)  # structured requests, grammar not ready
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._carry: list[CoreOutput] = []  # outputs read before a step failed: the next step's
-        # A step of background work alone pauses for arrivals (core/background_yield.py): not with
-        # async scheduling, nor under TP.
+        # A step of background work alone gives way to arrivals (core/background_yield.py): not
+        # with async scheduling, nor under TP.
         self.background_yield = config.background_yield and self.launcher is None and self.parallel is None
 
     # ---- requests in -------------------------------------------------------------------------
@@ -267,20 +267,14 @@ class EngineCore(OverlappedSteps, YieldingSteps):
         return StepFailedError(request_ids, self.device_lost)
 
     def _run(self, batch: ScheduledBatch) -> list[CoreOutput]:
-        return self._complete(batch, *self.runner.execute(batch), self._skipped())
-
-    def _complete(
-        self, batch: ScheduledBatch, logits: torch.Tensor, sampling: list[int], prompt_rows: list,
-        skip: set[str] | None = None,
-    ) -> list[CoreOutput]:  # fmt: skip
-        """A computed step's bookkeeping and sampling; requests in `skip` (aborted while the
-        step was paused) sample nothing."""
+        logits, sampling, prompt_rows = self.runner.execute(batch)
         if prompt_rows:
             prompt_logprobs(batch.items, prompt_rows, logits[len(sampling) :])
             logits = logits[: len(sampling)]
         for req, n in batch.items:
             req.num_computed_tokens += n
             self.blocks.commit(req)
+        skip = self._skipped()  # (aborted while this step was paused: they sample nothing)
         if skip:
             keep = [i for i, k in enumerate(sampling) if batch.items[k][0].request_id not in skip]
             logits, sampling = logits[keep], [sampling[i] for i in keep]
