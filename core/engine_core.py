@@ -27,9 +27,9 @@ from mm_engine.core.model_runner import ModelRunner
 from mm_engine.core.overlap import OverlappedSteps
 from mm_engine.core.prompt_logprobs import prompt_logprobs
 from mm_engine.core.reports import core_stats, kv_report
-from mm_engine.core.sampler import NO_TOKEN, Sampler
+from mm_engine.core.sampler import Sampler
 from mm_engine.core.scheduling import build_scheduler
-from mm_engine.core.stopping import ends_after
+from mm_engine.core.stopping import append_sampled
 from mm_engine.core.structured_output import Grammars, GrammarWaitlist
 from mm_engine.core.types import CoreOutput, CoreRequest, TokenLogprobs
 from mm_engine.models.loader import load_config, resolve_model_path
@@ -299,28 +299,9 @@ class EngineCore(OverlappedSteps, YieldingSteps):
         return outputs
 
     def _append(self, req: Request, token: int, now: float, lp: TokenLogprobs | None) -> CoreOutput:
-        out = CoreOutput(req.request_id, [], num_cached_tokens=req.num_cached_tokens)
-        if token == NO_TOKEN:  # its adjustments left nothing to sample: it ends, with what it has
-            logger.warning(
-                "request %s: no token is allowed at output %d (the grammar, allowed_token_ids, "
-                "bad_words and min_tokens together exclude every token); ended",
-                req.request_id, req.num_tokens - req.num_prompt_tokens,
-            )  # fmt: skip
-            self._finish(req, "abort")
-        else:
-            req.token_ids.append(token)
-            out.new_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                if req.params.prompt_logprobs is not None:
-                    out.prompt_logprobs, req.prompt_logprobs = [None, *req.prompt_logprobs], []
-            if lp is not None:
-                out.logprobs = [lp]
-            if req.grammar is not None:
-                req.grammar.accept(token)
-            reason, out.stop_token, out.ended_by_token = ends_after(req, token, self.max_model_len)
-            if reason is not None:
-                self._finish(req, reason, out.stop_token)
+        out, reason = append_sampled(req, token, now, lp, self.max_model_len)
+        if reason is not None:
+            self._finish(req, reason, out.stop_token)
         out.finish_reason = req.finish_reason
         out.first_scheduled_time, out.first_token_time = req.first_scheduled_time, req.first_token_time
         out.finished_time = req.finished_time

@@ -85,8 +85,7 @@ class CoreProcess:
         while self.running:
             busy = self.core.has_unfinished()
             if self.pull.poll(0 if busy else int(HEARTBEAT_S * 1000)):
-                while self.running and self.pull.poll(0):  # every message waiting, then a step
-                    self.apply(m.decode_to_core(self.pull.recv(copy=False).buffer))
+                self._take_messages()  # every message waiting, then a step
             if not self.running:
                 break
             if self.core.has_unfinished():
@@ -106,12 +105,15 @@ class CoreProcess:
                 last_beat = now
         return 0
 
+    def _take_messages(self) -> None:
+        while self.running and self.pull.poll(0):
+            self.apply(m.decode_to_core(self.pull.recv(copy=False).buffer))
+
     def _beside(self) -> None:
         """Called at a layer of a paused step of background work: take in what arrived and run
         foreground steps beside it until none is left (then it goes on)."""
         while self.running and not self.exit_code:
-            while self.running and self.pull.poll(0):
-                self.apply(m.decode_to_core(self.pull.recv(copy=False).buffer))
+            self._take_messages()
             if not self.running:
                 return
             code = self.step(beside=True)

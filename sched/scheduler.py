@@ -170,18 +170,9 @@ class Scheduler:
 
     def _cap_for_decodes(self, p: StepPass) -> None:
         """Bound the prefill and encoder work a step with running decodes adds (module docstring)."""
-        cap, enc = self.decode_step_prefill_tokens, p.encoder_left
         costs = self.costs.fitted() if self.step_time_factor is not None else None
-        if costs is not None and costs.per_prefill > 0.0:
-            timed, timed_enc, p.encode_weight = costs.allowance(len(p.reserved), self.step_time_factor)
-            timed = max(self.blocks.block_size, timed)
-            cap = timed if cap is None else min(cap, timed)
-            enc = enc if timed_enc is None else timed_enc
-            # Encoding is weighed against the time left even where the token cap does not bind:
-            # one image still goes, or an image request would wait as long as anything decodes.
-            p.one_image_free = p.encode_weight > 0.0
-        if cap is not None and cap < p.budget:
-            p.budget, p.encoder_left, p.one_image_free = cap, min(p.encoder_left, cap, enc), True
+        cap, factor = self.decode_step_prefill_tokens, self.step_time_factor
+        p.cap_for_decodes(cap, costs, factor, self.blocks.block_size)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """How long a batch this scheduler made took to run (the step-time bound learns from it)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from mm_engine.request import Request
 from mm_engine.sched.batch import ScheduledBatch
+from mm_engine.sched.step_costs import Costs
 
 
 @dataclass(slots=True)
@@ -57,6 +58,24 @@ class StepPass:
         self.encoder_left -= tokens
         self.budget = 0 if self.encode_alone else max(0, self.budget - math.ceil(tokens * self.encode_weight))
         self.one_image_free = False
+
+    def cap_for_decodes(
+        self, cap: int | None, costs: Costs | None, factor: float | None, block_size: int
+    ) -> None:
+        """Bound the prefill and encoder work a step with running decodes adds: at most `cap`
+        tokens, and with fitted step `costs` what keeps the step within `factor` of its decodes
+        alone (at least a block of prefill)."""
+        enc = self.encoder_left
+        if costs is not None and costs.per_prefill > 0.0:
+            timed, timed_enc, self.encode_weight = costs.allowance(len(self.reserved), factor)
+            timed = max(block_size, timed)
+            cap = timed if cap is None else min(cap, timed)
+            enc = enc if timed_enc is None else timed_enc
+            # Encoding is weighed against the time left even where the token cap does not bind:
+            # one image still goes, or an image request would wait as long as anything decodes.
+            self.one_image_free = self.encode_weight > 0.0
+        if cap is not None and cap < self.budget:
+            self.budget, self.encoder_left, self.one_image_free = cap, min(self.encoder_left, cap, enc), True
 
     def set_aside(self, requests: Iterable[Request]) -> None:
         """One token of the budget for each of `requests` that is decoding, while the budget lasts."""
