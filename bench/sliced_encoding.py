@@ -12,6 +12,10 @@ picture (a repeated one would come from the caches). Figures: the streams' longe
 tokens (ITL max) and their p99 from the image's arrival until its first token, the image's time to
 first token, and the streams' ITL median before it arrived (idle). Settings run in turns, `--rounds` times;
 the engines' greedy tokens are compared (slicing must not change them).
+
+`--paused-probe`: the running streams' decode steps alone, timed with an image's encode begun and
+paused between two shares and without one, in turns; a paused encode must not slow the steps
+around it (one on a thread of its own did: a second OpenMP team).
 """
 
 from __future__ import annotations
@@ -68,6 +72,34 @@ def run_once(llm: LLM, streams: int, image, prompt: str, out_tokens: int) -> dic
     }
 
 
+def paused_probe(llm: LLM, streams: int, span_prompt: dict, rounds: int, steps: int = 12) -> dict:
+    """Median decode-step time of `streams` running requests, alone and beside a paused encode."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2 * rounds * steps + 16, ignore_eos=True)
+    for i in range(streams):
+        eng.add_request(STORY.format(i), params)
+    for _ in range(4):  # prefill, then decoding
+        eng.step()
+    _, _, spans = eng.inputs.process(span_prompt)
+    slices = eng.core.runner.features.slices
+    one_layer = -(-spans[0].num_embeds // slices.depth)
+    times: dict[str, list[float]] = {"alone": [], "beside a paused encode": []}
+    for r in range(rounds):
+        for paused in (False, True) if r % 2 == 0 else (True, False):
+            if paused:
+                assert slices.advance(spans[0], one_layer, "probe") is None  # begun, paused
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                eng.step()
+                times["beside a paused encode" if paused else "alone"].append(time.perf_counter() - t0)
+            slices.release("probe")
+    for rid in list(eng.core.requests):
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench-qwen2.5-vl")
@@ -77,12 +109,24 @@ def main() -> None:
     ap.add_argument("--caps", default="768,256", help="decode_step_prefill_tokens values")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--paused-probe", action="store_true", help="decode steps beside a paused encode")
     args = ap.parse_args()
     path = vlm.resolve_model(args.model)
     prompt, _ = vlm.prompts_for(path)
     # A new picture every run (a repeated one would come from the encoder and prefix caches).
     pictures = iter(vlm.images(args.rounds * 5 + 5, seed=3))
     image = lambda: next(pictures).resize((args.image_px, args.image_px))  # noqa: E731
+    if args.paused_probe:
+        llm = LLM(path, kv_cache_memory_bytes=1 << 30)
+        run_once(llm, 2, image(), prompt, 8)  # warm-up
+        res = paused_probe(llm, args.streams, {"prompt": prompt, "multi_modal_data": {"image": image()}},
+                           args.rounds)  # fmt: skip
+        ratio = res["beside a paused encode"] / res["alone"]
+        print(" | ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in res.items()) + f" | ratio {ratio:.2f}")
+        save_json(args.json, {"what": "decode steps beside a paused sliced encode (bench.sliced_encoding)",
+                              "model": args.model, "streams": args.streams, "rounds": args.rounds,
+                              "step_median_s": res, "ratio": ratio, "machine": machine_info()})  # fmt: skip
+        return
     settings = [(int(c), s) for c in args.caps.split(",") for s in (False, True)]
     engines = {
         (cap, sliced): LLM(

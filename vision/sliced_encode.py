@@ -2,19 +2,27 @@
 
 A step that runs decodes may only encode so much (the scheduler's encoder budget). An image larger
 than that was encoded whole all the same, and every running stream waited the whole tower for its
-next token. A `SlicedEncode` runs the family's own `encode` for one image on a thread of its own
-that pauses at each tower layer (every tower calls `layer_boundary` before a layer): each
-`advance(layers)` lets it run that many more layers and waits until it pauses again. The two
-threads take turns and never compute at once, and the features are those of a whole encode: the
+next token. A `SlicedEncode` runs the family's own `encode` for one image in a greenlet (a stack of
+its own on the caller's thread) that pauses at each tower layer (every tower calls
+`layer_boundary` before a layer): each `advance(layers)` switches in, lets it run that many more
+layers, and gets the turn back when it pauses again. The features are those of a whole encode: the
 same modules on the same rows.
+
+Not a thread: a second thread that runs torch ops owns an OpenMP team of its own, and while it
+exists, idle or not, libgomp stops spinning for the first thread's team (more threads than cores),
+which made every step of the engine meanwhile (the running streams' decodes) 1.5-2x slower.
+The greenlet shares the thread's torch state (grad mode, autocast, thread count), so an encode must
+not hold such a context open across a layer boundary; `advance` runs it in inference mode.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from functools import partial
 
 import torch
+from greenlet import error as greenlet_error
+from greenlet import getcurrent, greenlet
 
 from mm_engine.models.layers import layer_gate
 from mm_engine.request import ImageSpan
@@ -22,82 +30,48 @@ from mm_engine.request import ImageSpan
 Encode = Callable[[list[ImageSpan]], list[torch.Tensor]]  # a family's `encode`
 
 
-class _Cancelled(Exception):
-    """Unwinds a paused encode that is no longer wanted."""
-
-
 class SlicedEncode:
     """`encode([span])` run a few tower layers at a time; `owner` is the request that started it."""
 
-    def __init__(self, encode: Encode, span: ImageSpan, threads: int, owner: str) -> None:
+    def __init__(self, encode: Encode, span: ImageSpan, owner: str) -> None:
         self.owner = owner
         self.layers_done = 0
-        self._cv = threading.Condition()
-        self._allowed = 0  # layers the worker may still start before it pauses
-        self._turn = False  # True while the worker computes (the caller waits)
-        self._cancelled = False
-        self._ended = False  # the worker is past its encode (done, failed or cancelled)
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(encode, span, threads), name="mm-engine-sliced-encode", daemon=True
-        )
-        self._thread.start()  # it waits for the first advance() before it computes anything
+        self._allowed = 0  # layers the encode may still start before it pauses
+        self._glet = greenlet(partial(self._run, encode, span))  # starts at the first advance()
 
     def advance(self, layers: int) -> torch.Tensor | None:
         """Run up to `layers` (at least one) more tower layers; what comes before the first layer
         and after the last runs with its neighbour. The image's features once it is done, else None.
         An error the encode raised is raised here."""
-        with self._cv:
-            self._allowed = max(1, layers)
-            self._turn = not self._ended
-            self._cv.notify_all()
-            while self._turn:
-                self._cv.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
+        if self._glet.dead:
+            raise RuntimeError("advance() on a sliced encode that has ended")
+        self._allowed = max(1, layers)
+        self._glet.parent = getcurrent()  # a pause or the end returns here
+        with torch.inference_mode():  # the caller's grad mode is the encode's (one thread's state)
+            return self._glet.switch()
 
     def cancel(self) -> None:
-        """Stop it where it paused and let its thread end."""
-        with self._cv:
-            self._cancelled = True
-            self._cv.notify_all()
-        self._thread.join()
+        """Unwind it where it paused (one never started just never runs)."""
+        if self._glet.dead:
+            return
+        try:
+            self._glet.parent = getcurrent()
+            self._glet.throw()  # GreenletExit at its pause; it ends there
+        except (ValueError, greenlet_error):  # closed from another thread than the one it ran on:
+            pass  # greenlet unwinds it on its own thread once it is collected
 
-    # ---- the worker's side ----------------------------------------------------------------------
+    # ---- inside the greenlet ----------------------------------------------------------------------
 
     def wait_turn(self) -> None:
-        with self._cv:
-            if self._allowed == 0:
-                self._turn = False
-                self._cv.notify_all()
-                while not self._turn and not self._cancelled:
-                    self._cv.wait()
-            if self._cancelled:
-                raise _Cancelled
-            self._allowed -= 1
-            self.layers_done += 1
+        if self._allowed == 0:
+            self._glet.parent.switch(None)  # paused: advance() returns None
+        self._allowed -= 1
+        self.layers_done += 1
 
-    def _run(self, encode: Encode, span: ImageSpan, threads: int) -> None:
-        layer_gate.install(self)  # the tower's `layer_boundary()` calls pause here
-        torch.set_num_threads(threads)  # an OpenMP thread count is the thread's own
-        try:
-            with self._cv:
-                while not self._turn and not self._cancelled:
-                    self._cv.wait()
-            if not self._cancelled:
-                with torch.inference_mode():
-                    (self._result,) = encode([span])
-        except _Cancelled:
-            pass
-        except BaseException as exc:  # handed to the caller by advance()
-            self._error = exc
-        finally:
-            with self._cv:
-                self._ended = True
-                self._turn = False
-                self._cv.notify_all()
+    def _run(self, encode: Encode, span: ImageSpan) -> torch.Tensor:
+        layer_gate.install(self)  # the greenlet's own context: its tower's layers pause here
+        (feats,) = encode([span])
+        return feats
 
 
 class SlicedEncodes:
@@ -118,8 +92,8 @@ class SlicedEncodes:
         """Run the share of `span`'s tower that `tokens` of its image tokens stand for (begun here
         for request `owner` if need be); its features once done, else None."""
         key = span.content_hash
-        if key not in self._begun:  # torch threads: the caller's (the runner's, inside its prepare)
-            self._begun[key] = SlicedEncode(self.encode, span, torch.get_num_threads(), owner)
+        if key not in self._begun:
+            self._begun[key] = SlicedEncode(self.encode, span, owner)
         try:
             feats = self._begun[key].advance(-(-self.depth * tokens // span.num_embeds))
         except BaseException:

@@ -2,14 +2,16 @@
 (`sliced_encoding`, vision/sliced_encode.py): for every family the features equal a whole encode's
 and each share runs the layers asked; in the engine, running streams get their token in every step
 meanwhile, the image's request waits before the image until it is done, tokens equal those with
-slicing off, and an abort stops the encode's thread."""
+slicing off, and an abort unwinds the paused encode. The encode runs on the caller's thread."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 import torch
+from greenlet import getcurrent, greenlet
 
 from helpers.families import ALL_FAMILIES, assert_all_free, engine, family_prompt, mm
 from helpers.images import make_image
@@ -20,8 +22,9 @@ from mm_engine.request import ImageSpan
 from mm_engine.vision.sliced_encode import SlicedEncode, SlicedEncodes
 
 
-def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "mm-engine-sliced-encode"}
+def _paused() -> list[greenlet]:
+    """Encodes begun and not ended (a greenlet is true while it has started and not ended)."""
+    return [g for g in gc.get_objects() if type(g) is greenlet and g and g is not getcurrent()]
 
 
 def _fake_encode(depth: int, log: list, fail_at: int | None = None):
@@ -42,7 +45,7 @@ def _fake_encode(depth: int, log: list, fail_at: int | None = None):
 
 def test_each_advance_runs_the_layers_asked_then_pauses():
     log: list = []
-    enc = SlicedEncode(_fake_encode(5, log), None, 1, "r")
+    enc = SlicedEncode(_fake_encode(5, log), None, "r")
     assert log == []  # nothing runs before the first advance
     assert enc.advance(2) is None and log == ["before", 0, 1]
     assert enc.advance(1) is None and log[-1] == 2
@@ -50,19 +53,47 @@ def test_each_advance_runs_the_layers_asked_then_pauses():
     assert log[-3:] == [3, 4, "after"] and out.tolist() == [5.0, 5.0] and enc.layers_done == 5
 
 
-def test_an_error_in_the_encode_is_raised_by_advance_and_cancel_ends_the_thread():
-    enc = SlicedEncode(_fake_encode(4, [], fail_at=1), None, 1, "r")
+def test_the_encode_runs_on_the_callers_thread():
+    # A thread of its own would own a second OpenMP team, which slows every step of the engine's.
+    seen: list[int] = []
+
+    def encode(spans):
+        for _ in range(3):
+            layer_boundary()
+            seen.append(threading.get_ident())
+        return [torch.zeros(1)]
+
+    enc = SlicedEncode(encode, None, "r")
+    while enc.advance(1) is None:
+        pass
+    assert seen == [threading.get_ident()] * 3
+
+
+def test_an_error_in_the_encode_is_raised_by_advance_and_cancel_unwinds_it():
+    enc = SlicedEncode(_fake_encode(4, [], fail_at=1), None, "r")
     assert enc.advance(1) is None
     with pytest.raises(ValueError, match="layer failed"):
         enc.advance(1)
-    with pytest.raises(ValueError, match="layer failed"):  # again, not a wait for a thread that ended
+    with pytest.raises(RuntimeError, match="has ended"):  # not a switch into an encode that ended
         enc.advance(1)
-    paused = SlicedEncode(_fake_encode(4, []), None, 1, "r")
+    unwound: list[str] = []
+
+    def encode(spans):
+        try:
+            for _ in range(4):
+                layer_boundary()
+        finally:
+            unwound.append("finally")
+        return [torch.zeros(1)]
+
+    paused = SlicedEncode(encode, None, "r")
     paused.advance(1)
+    assert _paused() and not unwound
     paused.cancel()
-    never = SlicedEncode(_fake_encode(4, []), None, 1, "r")
-    never.cancel()  # before it ran anything
-    assert not _threads()
+    assert unwound == ["finally"]  # its frames were unwound where it paused
+    never = SlicedEncode(encode, None, "r")
+    never.cancel()  # before it ran anything: it never runs
+    assert unwound == ["finally"] and not _paused()
 
 
 def test_the_runners_set_forgets_a_failed_encode_and_starts_it_again():
@@ -96,7 +127,7 @@ def test_every_family_sliced_equals_whole(family):
         whole = model.encode(spans)[0]
     depth = model.tower_depth
     assert depth > 0
-    enc = SlicedEncode(model.encode, spans[0], torch.get_num_threads(), "r")
+    enc = SlicedEncode(model.encode, spans[0], "r")
     shares = 1
     while (feats := enc.advance(1)) is None:
         shares += 1
@@ -159,11 +190,11 @@ def test_a_big_image_beside_a_stream_is_sliced_and_tokens_are_unchanged(clip_lla
         assert charged == slices[0][1] <= 8
     assert len(slice_steps) <= depth
     assert sliced.engine.core.runner.num_encoded_images == 1
-    assert not len(sliced.engine.core.runner.features.slices) and not _threads()
+    assert not len(sliced.engine.core.runner.features.slices) and not _paused()
     assert_all_free(sliced)
 
 
-def test_an_abort_mid_encode_stops_its_thread(clip_llama):
+def test_an_abort_mid_encode_unwinds_it(clip_llama):
     llm = engine(clip_llama, "cpu", decode_step_prefill_tokens=8, max_num_batched_tokens=64)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -172,11 +203,11 @@ def test_an_abort_mid_encode_stops_its_thread(clip_llama):
         eng.step()
     image = eng.add_request(mm("USER: <image> what is this ASSISTANT:", [make_image(6, (64, 48))]), params)
     eng.step()  # the first of its tower's two layers
-    assert _threads() and len(eng.core.runner.features.slices)  # begun, not done
+    assert _paused() and len(eng.core.runner.features.slices)  # begun, not done
     eng.abort(image)
     while eng.has_unfinished():
         eng.step()
-    assert not _threads() and not len(eng.core.runner.features.slices)
+    assert not _paused() and not len(eng.core.runner.features.slices)
     assert eng.core.runner.num_encoded_images == 0
     assert_all_free(llm)
 
@@ -192,7 +223,7 @@ def test_sliced_with_async_scheduling_gives_the_same_tokens(clip_llama):
     assert got[text] == want[text] and got[image] == want[image]
     slice_steps = [b for b in batches if b[1]]
     assert 2 <= len(slice_steps) <= sliced.engine.core.model.tower_depth + 1
-    assert sliced.engine.core.runner.num_encoded_images == 1 and not _threads()
+    assert sliced.engine.core.runner.num_encoded_images == 1 and not _paused()
     assert_all_free(sliced)
 
 
@@ -252,5 +283,5 @@ def test_a_share_that_fails_fails_its_own_request(clip_llama, async_scheduling):
             eng.step()
         except StepFailedError as exc:
             dropped.update(exc.request_ids)
-    assert image in dropped and not eng.has_unfinished() and not _threads()
+    assert image in dropped and not eng.has_unfinished() and not _paused()
     assert_all_free(llm)
