@@ -8,11 +8,12 @@ weights' bytes per second against the read bandwidth measured in the same run: h
 step's linear layers come to the roofline of the smaller weights.
 
 `--against OLD.c` builds a second library with another version of cpu_qgemm.c (say
-`git show REV:kernels/cpu_qgemm.c > OLD.c`) and times the two pass by pass, interleaved, so that
-the machine's drift (on a shared VM, the same pass moves by 1.5x from one minute to the next)
-falls on both alike: before against after in one run.
+`git show REV:kernels/cpu_qgemm.c > OLD.c`; `--against-source cpu_gemm.c` for the float32 GEMM's)
+and times the two pass by pass, interleaved, so that the machine's drift (on a shared VM, the same
+pass moves by 1.5x from one minute to the next) falls on both alike: before against after in one
+run. Kind `fp32` is the float32 panels of cpu_gemm.c, the baseline the low-bit kinds are against.
 
-    python -m bench.qgemm_stream --kinds int8,int4,bf16 --json bench/results/qgemm_stream.json
+    python -m bench.qgemm_stream --kinds fp32,int8,int4,bf16 --json bench/results/qgemm_stream.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from bench.machine import machine_info, memory_bytes_per_s
 from bench.save import save_json
 from mm_engine.kernels import cpu_build
+from mm_engine.models.layers.packed_linear import PanelLinear
 from mm_engine.models.layers.quant_linear import QuantLinear, quantize
 
 # (out, in) of one decoder layer's projections: the fused MLP up/gate, its down, a fused linear-
@@ -42,15 +44,15 @@ def stream(
     """Per row count and library (`libs`: name -> kernel library): the best of `passes` passes over
     `layers` copies of `shapes`' weights, the libraries taking turns pass by pass."""
     g = torch.Generator().manual_seed(seed)
-    weights = [
-        quantize(torch.randn(n, k, generator=g) * 0.02, kind) for _ in range(layers) for n, k in shapes
-    ]
-    linears: dict[str, list[QuantLinear]] = {name: [] for name in libs}
+    weights = [torch.randn(n, k, generator=g) * 0.02 for _ in range(layers) for n, k in shapes]
+    if kind != "fp32":
+        weights = [quantize(w, kind) for w in weights]
+    linears: dict[str, list[torch.nn.Module]] = {name: [] for name in libs}
     for w in weights:  # packed in turns, so that neither build's panels all come first in memory
         for name, lib in libs.items():
-            linears[name].append(QuantLinear(w, None, lib))
+            linears[name].append(_panel_linear(w, lib) if kind == "fp32" else QuantLinear(w, None, lib))
     first = next(iter(linears.values()))
-    nbytes = sum(lin.panels.weights.numel() + _nbytes(lin.panels.scales) for lin in first)
+    nbytes = sum(_weight_bytes(lin) for lin in first)
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for _, k in shapes}
@@ -68,13 +70,26 @@ def stream(
     return out
 
 
-def other_build(source: Path) -> ctypes.CDLL:
-    """The kernel library of the best variant here, with `source` as its cpu_qgemm.c."""
+def _panel_linear(w: torch.Tensor, lib: ctypes.CDLL) -> PanelLinear:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data = w
+    return PanelLinear(lin, lib)
+
+
+def other_build(source: Path, replaces: str = "cpu_qgemm.c") -> ctypes.CDLL:
+    """The kernel library of the best variant here, with `source` as its `replaces` source."""
     folder = Path(tempfile.mkdtemp(prefix="qgemm-against-"))
     for f in (*cpu_build.SOURCES, *cpu_build.HEADERS):  # (the sources include their header by name)
         shutil.copy(f, folder / f.name)
-    shutil.copy(source, folder / "cpu_qgemm.c")
+    shutil.copy(source, folder / replaces)
     return cpu_build.build(cpu_build.best_variant(), [folder / f.name for f in cpu_build.SOURCES])
+
+
+def _weight_bytes(lin: torch.nn.Module) -> int:
+    if isinstance(lin, PanelLinear):
+        return _nbytes(lin.panels)
+    panels = lin.a8 if lin.a8 is not None else lin.panels  # int8 inputs: cpu_qgemm_a8.c's panels
+    return _nbytes(panels.weights) + _nbytes(panels.scales)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -88,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=6, help="decoder layers' weights a pass streams")
     ap.add_argument("--passes", type=int, default=7, help="passes per cell (the best is kept)")
     ap.add_argument("--against", type=Path, default=None, help="another cpu_qgemm.c, timed interleaved")
+    ap.add_argument("--against-source", default="cpu_qgemm.c", help="the source --against replaces")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.inference_mode().__enter__()
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     if libs["this"] is None:
         raise SystemExit("the CPU kernels could not be built here")
     if args.against is not None:
-        libs["against"] = other_build(args.against)
+        libs["against"] = other_build(args.against, args.against_source)
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for kind in args.kinds.split(","):

@@ -101,6 +101,10 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
  * turns: with one row on AVX2 the two column vectors made two chains of dependent multiply-adds,
  * each waiting out the add's latency, and the tile ran at half the rate the multiply-adds allow. */
 #define GROUPED_ROWS (WIDE_REGISTERS ? 4 : 2)
+/* The weights WEIGHTS_AHEAD bytes ahead of the row a tile reads are asked for before it: with the
+ * hardware's prefetchers alone the loads waited and the conversions ran after them, not beside
+ * (int4 streamed at the serial sum of its in-cache and memory rates; bench.qgemm_stream). */
+#define WEIGHTS_AHEAD 8192
 #define SUM_CHAINS 8 /* independent multiply-add chains a tile keeps going */
 
 /* Weight row kk of the tile's panel times x's column kk, for bf16, fp8 and int8: into a group's
@@ -152,6 +156,8 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
             if (kind == W_UINT4) {                                                                       \
                 for (int k = g0; k < g1; k += STEP) {                                                    \
                     u32vec d[QNV];                                                                       \
+                    const uint8_t *ahead = w + (k / INT4_K) * QNR * 4 + WEIGHTS_AHEAD;                      \
+                    for (int l = 0; l < QNR * 4; l += 64) __builtin_prefetch(ahead + l);               \
                     for (int c = 0; c < QNV; c++) d[c] = int4_words(w, k, c);                            \
                     _Pragma("GCC unroll 8") for (int j = 0; j < INT4_K; j++)                             \
                         for (int c = 0; c < QNV; c++) {                                                  \
@@ -164,10 +170,14 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
                         }                                                                                \
                 }                                                                                        \
             } else {                                                                                     \
+                const int row_bytes = QNR * (kind == W_BF16 ? 2 : 1);                                    \
                 int k = g0;                                                                              \
-                for (; k + SPLIT <= g1; k += SPLIT)                                                      \
+                for (; k + SPLIT <= g1; k += SPLIT) {                                                    \
+                    const uint8_t *ahead = w + (int64_t)k * row_bytes + WEIGHTS_AHEAD;                   \
+                    for (int l = 0; l < SPLIT * row_bytes; l += 64) __builtin_prefetch(ahead + l);     \
                     _Pragma("GCC unroll 8") for (int u = 0; u < SPLIT; u++)                              \
                         QROW_STEP(R, kind, k + u, acc[u]);                                               \
+                }                                                                                        \
                 for (; k < g1; k++) QROW_STEP(R, kind, k, acc[0]);                                       \
             }                                                                                            \
             for (int r = 0; GROUPED && r < R; r++)                                                       \
