@@ -283,6 +283,9 @@ def test_a_compile_over_the_timeout_is_a_400_and_others_are_served(bytelevel, mo
     release, started = threading.Event(), []
     with served_in_process(bytelevel, **KW, grammar_compile_timeout_s=0.5) as (_, http):
         grammars = http.app.state.ctx.llm.inputs.grammars
+        # Start the trial process first: while it is not running, a waiter adds its start-up time to
+        # the timeout (alone in a worker this test was the first to compile, and got a 200).
+        grammars.compile(StructuredOutputs(regex="[0-9]"))
         slow = grammars._compile
         monkeypatch.setattr(
             grammars, "_compile", lambda key: (started.append(key), release.wait(30), slow(key))[2]
