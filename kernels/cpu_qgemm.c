@@ -211,16 +211,31 @@ static const qtile_fn QTILES[5][9] = {
     {0, uint4_tile1, uint4_tile2, uint4_tile3, uint4_tile4, uint4_tile5, uint4_tile6, uint4_tile7, uint4_tile8},
 };
 
-/* One panel's weights as float32, [K][NR], into `out`. */
+/* One panel's weights as float32, [K][NR], into `out`: a group's scales and zero points loaded
+ * once, an int4 word once for its eight k (converted as the direct tiles do). */
 static void dequantize_panel(const uint8_t *w, int kind, const float *s, const float *z, int K, int group,
                              float *out) {
-    for (int k = 0; k < K; k++) {
-        const int g = k / group;
+    for (int g0 = 0, g = 0; g0 < K; g0 += group, g++) {
+        const int g1 = g0 + group < K ? g0 + group : K;
+        vec sc[QNV], zc[QNV];
         for (int c = 0; c < QNV; c++) {
-            const vec sc = s ? load(s + g * QNR + c * LANES) : splat(1.f);
-            const vec zc = z ? load(z + g * QNR + c * LANES) - 8.f : (vec){};
-            store(out + (int64_t)k * QNR + c * LANES, (stored_values(w, kind, k, c) - zc) * sc);
+            sc[c] = s ? load(s + (int64_t)g * QNR + c * LANES) : splat(1.f);
+            zc[c] = z ? load(z + (int64_t)g * QNR + c * LANES) : splat(kind == W_UINT4 ? 8.f : 0.f);
         }
+        if (kind == W_UINT4) {
+            for (int c = 0; c < QNV; c++) zc[c] += 16.f; /* nibble_16 gives 16 + q */
+            for (int k = g0; k < g1; k += INT4_K)
+                for (int c = 0; c < QNV; c++) {
+                    const u32vec d = int4_words(w, k, c);
+#pragma GCC unroll 8
+                    for (int j = 0; j < INT4_K; j++)
+                        store(out + (int64_t)(k + j) * QNR + c * LANES, (nibble_16(d, j) - zc[c]) * sc[c]);
+                }
+            continue;
+        }
+        for (int k = g0; k < g1; k++)
+            for (int c = 0; c < QNV; c++)
+                store(out + (int64_t)k * QNR + c * LANES, stored_values(w, kind, k, c) * sc[c]);
     }
 }
 
