@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.jobs < 1:  # the agreement and the jobs' ratios need tokens from each setting
+        ap.error(f"--jobs must be at least 1, got {args.jobs}")
     torch.set_num_threads(args.threads)
     path = vlm.resolve_model(args.model)
     batches = [int(b) for b in args.batch_sizes.split(",")]
