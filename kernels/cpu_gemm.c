@@ -33,10 +33,6 @@
 #define NR (NV * LANES)  /* output columns per panel */
 #define MC 96           /* rows per block */
 #define KC 768          /* K per block: larger K is summed block by block through y */
-/* The tiles ask for the weights WEIGHTS_AHEAD bytes ahead of the row they read: the hardware's
- * prefetchers alone left a few-row product's stream short of the memory's rate (bench.qgemm_stream
- * --kinds fp32, against the build without). */
-#define WEIGHTS_AHEAD 8192
 
 int gemm_panel_width(void) { return NR; }
 
@@ -52,7 +48,7 @@ int gemm_panel_width(void) { return NR; }
             for (int c = 0; c < NV; c++) a[r][c] = init ? load(init + r * ldi + c * LANES) : (vec){};     \
         for (int k = 0; k < k_len; k++, w += NR) {                                                        \
             vec wk[NV];                                                                                   \
-            for (int l = 0; l < NR * 4; l += 64) __builtin_prefetch((const char *)w + WEIGHTS_AHEAD + l);  \
+            prefetch_ahead(w, NR * 4);                                                                    \
             for (int c = 0; c < NV; c++) wk[c] = load(w + c * LANES);                                     \
             for (int r = 0; r < R; r++) {                                                                 \
                 const vec xr = splat(x[r * ldx + k]);                                                     \

@@ -104,10 +104,6 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
  * longer fit beside the sums and go to the stack, touched once a group, which costs less than a
  * subtract and a multiply per converted vector (5-7 rows 1.08-1.19x, 8 level; bench.qgemm_stream). */
 #define GROUPED_ROWS (WIDE_REGISTERS ? 4 : 2)
-/* The weights WEIGHTS_AHEAD bytes ahead of the row a tile reads are asked for before it: with the
- * hardware's prefetchers alone the loads waited and the conversions ran after them, not beside
- * (int4 streamed at the serial sum of its in-cache and memory rates; bench.qgemm_stream). */
-#define WEIGHTS_AHEAD 8192
 #define SUM_CHAINS 8 /* independent multiply-add chains a tile keeps going */
 
 /* Weight row kk of the tile's panel times x's column kk, for bf16, fp8 and int8: into a group's
@@ -159,8 +155,7 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
             if (kind == W_UINT4) {                                                                       \
                 for (int k = g0; k < g1; k += STEP) {                                                    \
                     u32vec d[QNV];                                                                       \
-                    const uint8_t *ahead = w + (k / INT4_K) * QNR * 4 + WEIGHTS_AHEAD;                      \
-                    for (int l = 0; l < QNR * 4; l += 64) __builtin_prefetch(ahead + l);               \
+                    prefetch_ahead(w + (k / INT4_K) * QNR * 4, QNR * 4);                                 \
                     for (int c = 0; c < QNV; c++) d[c] = int4_words(w, k, c);                            \
                     _Pragma("GCC unroll 8") for (int j = 0; j < INT4_K; j++)                             \
                         for (int c = 0; c < QNV; c++) {                                                  \
@@ -176,8 +171,7 @@ static inline vec stored_values(const uint8_t *w, int kind, int64_t k, int c) {
                 const int row_bytes = QNR * (kind == W_BF16 ? 2 : 1);                                    \
                 int k = g0;                                                                              \
                 for (; k + SPLIT <= g1; k += SPLIT) {                                                    \
-                    const uint8_t *ahead = w + (int64_t)k * row_bytes + WEIGHTS_AHEAD;                   \
-                    for (int l = 0; l < SPLIT * row_bytes; l += 64) __builtin_prefetch(ahead + l);     \
+                    prefetch_ahead(w + (int64_t)k * row_bytes, SPLIT * row_bytes);                       \
                     _Pragma("GCC unroll 8") for (int u = 0; u < SPLIT; u++)                              \
                         QROW_STEP(R, kind, k + u, acc[u]);                                               \
                 }                                                                                        \

@@ -32,6 +32,14 @@ typedef int ivec __attribute__((vector_size(MM_VEC_BYTES)));
 #define PANEL_VECTORS (WIDE_REGISTERS ? 3 : 2)
 #define TILE_ROWS (WIDE_REGISTERS ? 8 : 6)
 
+/* The GEMM tiles of both ask for a panel's weights this many bytes ahead of the row they read:
+ * with the hardware's prefetchers alone a few-row product's loads waited and its multiply-adds (and
+ * low-bit conversions) ran after them, not beside (bench.qgemm_stream, against the build without). */
+#define WEIGHTS_AHEAD 8192
+static inline void prefetch_ahead(const void *row, int bytes) {
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch((const char *)row + WEIGHTS_AHEAD + l);
+}
+
 static inline vec load(const float *p) { return *(const vec_u *)p; }
 static inline void store(float *p, vec v) { *(vec_u *)p = v; }
 /* x in every lane: one broadcast, from memory where x comes from there. (`(vec){} + x`, the usual
